@@ -1,0 +1,1 @@
+"""jllm: local LLM inference for GGUF models."""

