@@ -1,0 +1,54 @@
+"""Preallocated KV cache: one buffer per model, indexed by position; rollback moves a length, never copies.
+
+Layout: k, v: [n_layers, n_kv_heads, max_tokens, head_dim] float32. `length` counts the positions that hold
+valid keys/values; a forward over T new tokens writes positions [length, length + T) and advances it.
+`truncate(n)` is how speculative decoding rejects tokens and how a cached conversation is cut back to the
+common prefix: later writes simply overwrite.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from jllm.errors import JllmError
+
+
+class KVCache:
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_tokens: int,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        shape = (n_layers, n_kv_heads, max_tokens, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_tokens = max_tokens
+        self.length = 0
+
+    def reserve(self, n_new: int) -> int:
+        """Check that n_new more tokens fit; return the first position they will occupy."""
+        if self.length + n_new > self.max_tokens:
+            raise JllmError(f"context full: {self.length} + {n_new} tokens exceed the context size "
+                            f"{self.max_tokens} (raise -c/--ctx-size)")
+        return self.length
+
+    def truncate(self, n: int) -> None:
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} tokens to {n}")
+        self.length = n
+
+    def export(self, n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the first n positions: k, v [n_layers, n_kv_heads, n, head_dim]."""
+        n = self.length if n is None else n
+        return self.k[:, :, :n].clone(), self.v[:, :, :n].clone()
+
+    def load(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Replace the cache contents with k, v as returned by export()."""
+        n = k.shape[2]
+        if k.shape != v.shape or k.shape[:2] != self.k.shape[:2] or k.shape[3] != self.k.shape[3]:
+            raise ValueError(f"KV shape {tuple(k.shape)} does not fit cache {tuple(self.k.shape)}")
+        if n > self.max_tokens:
+            raise JllmError(f"cached state of {n} tokens exceeds the context size {self.max_tokens}")
+        self.k[:, :, :n].copy_(k)
+        self.v[:, :, :n].copy_(v)
+        self.length = n
+
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()

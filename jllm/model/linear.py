@@ -1,0 +1,70 @@
+"""Linear layers in the compute representation: exact float, or int8 weights with int8 activations.
+
+The int8 path is *batch-invariant*: a row's output is bitwise the same whatever other rows share the call.
+Speculative decoding depends on this (the verify pass over k+1 tokens must produce exactly the logits that
+k+1 single decode steps would), and so does the persistent KV cache (any chunking of a prompt yields the same
+cache). FBGEMM's dynamic int8 linear alone is not batch-invariant: it picks one activation scale for the
+whole input. We therefore quantize each row ourselves to the integer grid [-127, 127] with its own scale and
+prepend one calibration row holding 127 and -128: FBGEMM then always chooses scale 1 and zero point 128,
+quantizes our integer-valued input exactly, accumulates exactly in int32, and we rescale each row by its own
+scale afterwards. Cost: one extra row, free for the small M of decode and verify.
+
+Weights: per-output-channel symmetric int8, from the exactly dequantized GGUF weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def quantize_weight_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w: [N, K] float -> (int8 [N, K], scale float32 [N]) symmetric per output channel."""
+    amax = w.abs().amax(dim=1).float()
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+class DenseLinear:
+    """y = x @ W.T (+ b) with float weights (f32 for the exact path, bf16/f16 on CUDA)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.weight, self.bias = weight, bias
+        self.out_features, self.in_features = weight.shape
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x.to(self.weight.dtype), self.weight)
+        y = y.float()
+        return y + self.bias if self.bias is not None else y
+
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+
+class Int8Linear:
+    """Batch-invariant int8 x int8 linear on FBGEMM (x86 CPUs)."""
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
+        n, k = qweight.shape
+        qw = torch._make_per_channel_quantized_tensor(qweight, scale.double(), torch.zeros(n, dtype=torch.long), 0)
+        self.packed = torch.ops.quantized.linear_prepack(qw, None)
+        self.bias = bias
+        self.out_features, self.in_features = n, k
+        self._calib = torch.zeros(1, k)
+        self._calib[0, 0], self._calib[0, 1 % k] = 127.0, -128.0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [M, K] float32
+        scale = x.abs().amax(dim=1, keepdim=True).clamp_min_(1e-30) / 127.0     # [M, 1]
+        q = torch.round(x / scale)
+        y = torch.ops.quantized.linear_dynamic(torch.cat([self._calib, q]), self.packed, False)[1:]
+        y = y * scale
+        return y + self.bias if self.bias is not None else y
+
+    def nbytes(self) -> int:
+        return self.out_features * (self.in_features + 4)
+
+
+def int8_supported() -> bool:
+    return "fbgemm" in torch.backends.quantized.supported_engines

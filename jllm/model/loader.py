@@ -1,0 +1,40 @@
+"""load_model: a GGUF path -> a ready Transformer (config read, weights converted)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from jllm.errors import JllmError
+from jllm.gguf.reader import GGUFFile, read_gguf
+from jllm.model.config import config_from_gguf
+from jllm.model.transformer import Transformer
+from jllm.model.weights import load_weights
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise JllmError("--device cuda: no CUDA device is available to this torch build "
+                        f"(torch {torch.__version__}); use --device cpu")
+    if dev.type not in ("cpu", "cuda"):
+        raise JllmError(f"unsupported device {device!r} (use cpu or cuda)")
+    return dev
+
+
+def default_precision(device: torch.device) -> str:
+    return "int8" if device.type == "cpu" else "bf16"
+
+
+def load_model(path: str | os.PathLike | GGUFFile, device: str | torch.device | None = "cpu",
+               precision: str | None = None, max_positions: int | None = None) -> Transformer:
+    gguf = path if isinstance(path, GGUFFile) else read_gguf(path)
+    cfg = config_from_gguf(gguf.metadata, set(gguf.tensors), source=str(gguf.path))
+    dev = resolve_device(device)
+    weights = load_weights(gguf, cfg, precision or default_precision(dev), dev)
+    model = Transformer(cfg, weights, dev, max_positions or cfg.context_length)
+    model.gguf = gguf
+    return model

@@ -1,0 +1,121 @@
+"""The decoder-only transformer shared by all architectures: forward over T new tokens at given positions.
+
+Batch invariance: the logits of the token at position p are a bitwise-deterministic function of tokens
+0..p, however the tokens were split into forward calls. Linears are invariant by construction (linear.py),
+norms and element-wise ops work row by row, and attention is computed query by query over exactly the keys
+that query sees — the same call with the same shapes whether the query came alone (decode) or with others
+(prefill, speculative verify).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from jllm.model.config import ModelConfig
+from jllm.model.kv_cache import KVCache
+from jllm.model.weights import Weights
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def rope_table(cfg: ModelConfig, base: float, scale: float, n_pos: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [n_pos, rope_dim / 2] float32."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, cfg.rope_dim, 2, dtype=torch.int64).float() / cfg.rope_dim))
+    pos = torch.arange(n_pos, dtype=torch.float32) / scale
+    ang = torch.outer(pos, inv_freq)
+    return ang.cos().to(device), ang.sin().to(device)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool, rope_dim: int) -> torch.Tensor:
+    """x: [T, heads, head_dim]; cos, sin: [T, rope_dim / 2]."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    rot, rest = x[..., :rope_dim], x[..., rope_dim:]
+    if neox:
+        a, b = rot[..., : rope_dim // 2], rot[..., rope_dim // 2:]
+        out = torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+    else:
+        a, b = rot[..., 0::2], rot[..., 1::2]
+        out = torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
+    return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
+
+
+class Transformer:
+    def __init__(self, cfg: ModelConfig, weights: Weights, device: torch.device, max_positions: int):
+        self.cfg, self.w, self.device = cfg, weights, device
+        n = max(max_positions, 1)
+        self.rope_global = rope_table(cfg, cfg.rope_base, cfg.rope_scale, n, device)
+        self.rope_local = rope_table(cfg, cfg.rope_base_local, 1.0, n, device) if cfg.sliding_window else None
+        self.embed_scale = math.sqrt(cfg.hidden) if cfg.traits.embed_scale else None
+
+    def new_cache(self, max_tokens: int) -> KVCache:
+        c = self.cfg
+        return KVCache(c.n_layers, c.n_kv_heads, c.head_dim, max_tokens, device=self.device)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
+        """tokens: [T] int64 -> logits [T, vocab] (or [1, vocab] with last_only) float32.
+
+        Writes the new tokens' keys and values at cache.length and advances it by T.
+        """
+        c, w = self.cfg, self.w
+        T = tokens.shape[0]
+        start = cache.reserve(T)
+        x = w.embed(tokens)                                                   # x: [T, D]
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        q_dim, kv_dim = c.n_heads * c.head_dim, c.kv_dim
+        for i, L in enumerate(w.layers):
+            h = rms_norm(x, L.attn_norm, c.rms_eps)
+            qkv = L.qkv(h)                                                    # [T, q_dim + 2 kv_dim]
+            q = qkv[:, :q_dim].reshape(T, c.n_heads, c.head_dim)
+            k = qkv[:, q_dim:q_dim + kv_dim].reshape(T, c.n_kv_heads, c.head_dim)
+            v = qkv[:, q_dim + kv_dim:].reshape(T, c.n_kv_heads, c.head_dim)
+            if L.q_norm is not None:
+                q = rms_norm(q, L.q_norm, c.rms_eps)
+                k = rms_norm(k, L.k_norm, c.rms_eps)
+            sliding = c.is_sliding(i)
+            cos, sin = self.rope_local if sliding else self.rope_global
+            cos, sin = cos[start:start + T], sin[start:start + T]
+            q = apply_rope(q, cos, sin, c.traits.rope_neox, c.rope_dim)
+            k = apply_rope(k, cos, sin, c.traits.rope_neox, c.rope_dim)
+            cache.k[i, :, start:start + T] = k.transpose(0, 1)
+            cache.v[i, :, start:start + T] = v.transpose(0, 1)
+            a = self._attention(q, cache, i, start, c.sliding_window if sliding else 0)   # [T, q_dim]
+            a = L.o(a)
+            if L.post_attn_norm is not None:
+                a = rms_norm(a, L.post_attn_norm, c.rms_eps)
+            x = x + a
+            h = rms_norm(x, L.ffn_norm, c.rms_eps)
+            gu = L.gate_up(h)                                                 # [T, 2 ffn]
+            g, u = gu[:, :c.ffn], gu[:, c.ffn:]
+            g = F.gelu(g, approximate="tanh") if c.traits.gelu else F.silu(g)
+            m = L.down(g * u)
+            if L.post_ffn_norm is not None:
+                m = rms_norm(m, L.post_ffn_norm, c.rms_eps)
+            x = x + m
+        cache.length = start + T
+        if last_only:
+            x = x[-1:]
+        x = rms_norm(x, w.output_norm, c.rms_eps)
+        return w.output(x)
+
+    def _attention(self, q: torch.Tensor, cache: KVCache, layer: int, start: int, window: int) -> torch.Tensor:
+        """q: [T, H, hd] for positions start..start+T-1 -> [T, H * hd], one query at a time (see module doc)."""
+        c = self.cfg
+        T = q.shape[0]
+        K, V = cache.k[layer].unsqueeze(0), cache.v[layer].unsqueeze(0)       # [1, Hk, max, hd]
+        out = torch.empty(T, c.n_heads, c.head_dim, device=q.device)
+        gqa = c.n_heads != c.n_kv_heads
+        for t in range(T):
+            p = start + t
+            lo = max(0, p - window + 1) if window else 0
+            qt = q[t].contiguous().view(1, c.n_heads, 1, c.head_dim)
+            o = F.scaled_dot_product_attention(qt, K[:, :, lo:p + 1], V[:, :, lo:p + 1],
+                                               scale=c.attn_scale, enable_gqa=gqa)
+            out[t] = o[0, :, 0]
+        return out.view(T, c.n_heads * c.head_dim)

@@ -1,0 +1,166 @@
+"""GGUF tensors -> the compute representation of one model (exact float or int8), layer by layer.
+
+Linears that read the same input are fused: q/k/v into one matrix, gate/up into one, so each layer makes
+four matrix calls. The token embedding stays in the GGUF file: rows are dequantized exactly on lookup, so
+it costs no memory beyond the pages touched.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from jllm.errors import JllmError
+from jllm.gguf.quants import dequantize
+from jllm.gguf.reader import GGUFFile
+from jllm.model.config import ModelConfig
+from jllm.model.linear import DenseLinear, Int8Linear, int8_supported, quantize_weight_int8
+
+PRECISIONS = ("exact", "int8", "bf16", "f16")
+_ROWS_PER_CHUNK = 8192
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: torch.Tensor
+    qkv: object               # Linear: [hidden] -> [q_dim + 2 * kv_dim]
+    o: object
+    ffn_norm: torch.Tensor
+    gate_up: object           # Linear: [hidden] -> [2 * ffn]
+    down: object
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    post_attn_norm: torch.Tensor | None = None
+    post_ffn_norm: torch.Tensor | None = None
+
+
+class Embedding:
+    """Exact row lookup straight from the GGUF bytes."""
+
+    def __init__(self, gguf: GGUFFile, name: str, device: torch.device):
+        info = gguf.tensors[name]
+        self.rows, self.cols = info.shape
+        self.type = info.ggml_type
+        self.table = gguf.raw(name).reshape(self.rows, -1)   # [vocab, bytes per row]
+        self.device = device
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        idx = ids.cpu().numpy()
+        if idx.size and (idx.min() < 0 or idx.max() >= self.rows):
+            raise JllmError(f"token id out of range 0..{self.rows - 1}")
+        rows = np.ascontiguousarray(self.table[idx])
+        return dequantize(rows, self.type, (len(idx), self.cols)).to(self.device)
+
+
+@dataclass
+class Weights:
+    embed: Embedding
+    layers: list[LayerWeights]
+    output_norm: torch.Tensor
+    output: object
+
+    def nbytes(self) -> int:
+        total = self.output.nbytes()
+        for layer in self.layers:
+            total += sum(lin.nbytes() for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        return total
+
+
+class _Builder:
+    def __init__(self, gguf: GGUFFile, precision: str, device: torch.device):
+        if precision not in PRECISIONS:
+            raise JllmError(f"unknown precision {precision!r} (choose from {', '.join(PRECISIONS)})")
+        if precision == "int8" and (device.type != "cpu" or not int8_supported()):
+            raise JllmError("precision int8 needs an x86 CPU with FBGEMM; use --precision bf16 on this device")
+        self.gguf, self.precision, self.device = gguf, precision, device
+
+    def has(self, name: str) -> bool:
+        return name in self.gguf.tensors
+
+    def vector(self, name: str) -> torch.Tensor:
+        if not self.has(name):
+            raise JllmError(f"{self.gguf.path}: tensor {name!r} is missing")
+        info = self.gguf.tensors[name]
+        return dequantize(self.gguf.raw(name), info.ggml_type, info.shape).to(self.device)
+
+    def optional_vector(self, name: str) -> torch.Tensor | None:
+        return self.vector(name) if self.has(name) else None
+
+    def _float_rows(self, name: str):
+        """Yield [rows, cols] float32 chunks of a matrix, so the whole f32 copy never exists at once."""
+        if not self.has(name):
+            raise JllmError(f"{self.gguf.path}: tensor {name!r} is missing")
+        info = self.gguf.tensors[name]
+        if len(info.shape) != 2:
+            raise JllmError(f"{self.gguf.path}: tensor {name!r} should be a matrix, has shape {info.shape}")
+        rows, cols = info.shape
+        table = self.gguf.raw(name).reshape(rows, -1)
+        for r in range(0, rows, _ROWS_PER_CHUNK):
+            chunk = table[r:r + _ROWS_PER_CHUNK]
+            yield dequantize(chunk, info.ggml_type, (chunk.shape[0], cols))
+
+    def linear(self, names: list[str], biases: list[str | None] | None = None):
+        """One linear layer from the row-wise concatenation of the named matrices."""
+        bias = None
+        if biases and any(b and self.has(b) for b in biases):
+            parts = []
+            for name, b in zip(names, biases):
+                parts.append(self.vector(b) if b and self.has(b) else
+                             torch.zeros(self.gguf.tensors[name].shape[0], device=self.device))
+            bias = torch.cat(parts)
+        if self.precision == "int8":
+            qs, scales = [], []
+            for name in names:
+                for chunk in self._float_rows(name):
+                    q, s = quantize_weight_int8(chunk)
+                    qs.append(q)
+                    scales.append(s)
+            q = torch.cat(qs) if len(qs) > 1 else qs[0]
+            return Int8Linear(q, torch.cat(scales), bias)
+        dtype = {"exact": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[self.precision]
+        chunks = [c.to(dtype) for name in names for c in self._float_rows(name)]
+        w = torch.cat(chunks) if len(chunks) > 1 else chunks[0]
+        return DenseLinear(w.to(self.device), bias)
+
+
+def load_weights(gguf: GGUFFile, cfg: ModelConfig, precision: str, device: torch.device) -> Weights:
+    b = _Builder(gguf, precision, device)
+    layers = []
+    for i in range(cfg.n_layers):
+        p = f"blk.{i}."
+        layers.append(LayerWeights(
+            attn_norm=b.vector(p + "attn_norm.weight"),
+            qkv=b.linear([p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"],
+                         [p + "attn_q.bias", p + "attn_k.bias", p + "attn_v.bias"]),
+            o=b.linear([p + "attn_output.weight"], [p + "attn_output.bias"]),
+            ffn_norm=b.vector(p + "ffn_norm.weight"),
+            gate_up=b.linear([p + "ffn_gate.weight", p + "ffn_up.weight"]),
+            down=b.linear([p + "ffn_down.weight"]),
+            q_norm=b.optional_vector(p + "attn_q_norm.weight"),
+            k_norm=b.optional_vector(p + "attn_k_norm.weight"),
+            post_attn_norm=b.optional_vector(p + "post_attention_norm.weight"),
+            post_ffn_norm=b.optional_vector(p + "post_ffw_norm.weight"),
+        ))
+        _release_memory()
+    output_name = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
+    weights = Weights(
+        embed=Embedding(gguf, "token_embd.weight", device),
+        layers=layers,
+        output_norm=b.vector("output_norm.weight"),
+        output=b.linear([output_name]),
+    )
+    _release_memory()
+    return weights
+
+
+def _release_memory() -> None:
+    """Hand freed conversion buffers back to the OS, so peak RSS stays near the final weights' size."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
