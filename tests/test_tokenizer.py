@@ -146,6 +146,8 @@ def test_unsupported_models_say_so():
         Tokenizer.from_metadata(bpe_metadata(**{"tokenizer.ggml.model": "bert"}))
     with pytest.raises(JllmError, match="pre-tokenizer 'klingon' is not supported"):
         Tokenizer.from_metadata(bpe_metadata(**{"tokenizer.ggml.pre": "klingon"}))
+    with pytest.raises(JllmError, match="merges do not fit its vocabulary"):
+        Tokenizer.from_metadata(bpe_metadata(**{"tokenizer.ggml.merges": ["h zz"]}))
 
 
 def test_fingerprint_tells_vocabularies_apart():

@@ -63,7 +63,7 @@ def piece_bytes(token: str) -> bytes:
     """The bytes a byte-level BPE token stands for ("Ġhello" -> b" hello")."""
     try:
         return token.translate(CHAR_TO_BYTE).encode("latin-1")
-    except UnicodeEncodeError:  # a character outside the byte table: keep it as UTF-8, as text
+    except UnicodeEncodeError:  # a character outside the byte table (a malformed vocabulary): keep its UTF-8
         return b"".join(bytes([CHAR_TO_BYTE[ord(c)]]) if ord(c) in CHAR_TO_BYTE else c.encode() for c in token)
 
 
@@ -76,9 +76,14 @@ class BpeEncoder:
             known = ", ".join(sorted(_REGEXES))
             raise JllmError(f"the GGUF's pre-tokenizer '{pre}' is not supported (known: {known}); "
                             "use a model converted with one of these")
-        vocab = {t: i for i, t in enumerate(tokens)}
+        vocab = dict(zip(tokens, range(len(tokens))))
         pairs = [tuple(m.split(" ", 1)) for m in merges]
-        self._engine = tokenizers.Tokenizer(models.BPE(vocab, pairs, ignore_merges=pre in _IGNORE_MERGES))
+        try:
+            model = models.BPE(vocab, pairs, ignore_merges=pre in _IGNORE_MERGES)
+        except Exception as e:  # a merge that names a token the vocabulary lacks
+            raise JllmError(f"the GGUF's tokenizer merges do not fit its vocabulary ({e}); the file is damaged "
+                            "or was converted wrongly") from None
+        self._engine = tokenizers.Tokenizer(model)
         splits = [pre_tokenizers.Split(Regex(expr), behavior="isolated") for expr in _REGEXES[pre]]
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         self._engine.pre_tokenizer = pre_tokenizers.Sequence([*splits, byte_level])

@@ -83,7 +83,8 @@ class Tokenizer:
     # -- encode -----------------------------------------------------------------------------------------------
 
     def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = True) -> list[int]:
-        """Token ids of `text`; add_bos=None uses the GGUF's tokenizer.ggml.add_bos_token."""
+        """Token ids of `text`. add_bos=None uses the GGUF's tokenizer.ggml.add_bos_token; parse_special=False
+        reads control-token texts such as "<|im_start|>" as plain text (for untrusted input)."""
         ids: list[int] = []
         if add_bos if add_bos is not None else self.vocab.add_bos:
             if self.bos_id is None:
@@ -107,11 +108,11 @@ class Tokenizer:
 
     def _piece(self, token_id: int) -> bytes:
         text, kind = self.vocab.tokens[token_id], self.vocab.types[token_id]
-        if kind in (CONTROL, UNKNOWN, USER_DEFINED):
+        if kind in (CONTROL, UNKNOWN, USER_DEFINED):  # written as they are
             return text.encode()
-        if kind == BYTE and text.startswith("<0x"):
+        if kind == BYTE:  # "<0xXX>"
             return bytes([int(text[3:5], 16)])
-        if kind != NORMAL and kind != BYTE:  # unused / undefined tokens stand for nothing
+        if kind != NORMAL:  # unused and undefined tokens stand for nothing (llama.cpp prints nothing)
             return b""
         if self.vocab.model == "gpt2":
             return piece_bytes(text)
@@ -138,12 +139,12 @@ class Tokenizer:
         """sha256 over tokens, token types, merges, scores and special ids: equal fingerprints, equal tokenizers."""
         if self._fingerprint is None:
             v = self.vocab
+            specials = (v.bos_id, v.eos_id, sorted(v.end_ids), v.add_bos, v.add_space_prefix)
+            parts = [v.model, v.pre or "", "\0".join(v.tokens), ",".join(map(str, v.types)), "\0".join(v.merges),
+                     ",".join(map(repr, v.scores)), repr(specials)]
             h = hashlib.sha256()
-            for part in (v.model, v.pre or "", "\0".join(v.tokens), ",".join(map(str, v.types)), "\0".join(v.merges),
-                         ",".join(map(repr, v.scores)), repr((v.bos_id, v.eos_id, sorted(v.end_ids), v.add_bos,
-                                                             v.add_space_prefix))):
-                h.update(part.encode())
-                h.update(b"\x01")
+            for part in parts:
+                h.update(part.encode() + b"\x01")
             self._fingerprint = h.hexdigest()
         return self._fingerprint
 

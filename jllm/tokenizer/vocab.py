@@ -14,6 +14,8 @@ NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
 # Token texts that end a generation, whatever their type in the GGUF (llama.cpp's list of EOG tokens; it also
 # forces these to control type). Converters seldom set eot/eom ids, so this is where most end markers come from.
+# llama.cpp's list also has "</s>" (for one OCR model); it is left out here because qwen's vocabulary has "</s>"
+# as ordinary text (id 128247), which would then end a generation and no longer read as text.
 END_TEXTS = frozenset({
     "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>", "<|endoftext|>",
     "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>", "<end_of_utterance>", "<eos>",
@@ -26,6 +28,8 @@ FIM_END_TEXTS = frozenset({
     "<|file_sep|>",
 })
 _END_ID_KEYS = ("eos", "eot", "eom", "fim_pad", "fim_rep", "fim_sep")
+# byte-level BPE pre-tokenizers that llama.cpp gives a BOS when the GGUF does not say (SentencePiece always has one)
+_BOS_BY_DEFAULT = {"llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral"}
 
 
 @dataclass(frozen=True)
@@ -60,9 +64,10 @@ class Vocab:
                 end_ids.add(i)
                 types[i] = CONTROL
 
+        pre = md.get("tokenizer.ggml.pre")
         return cls(
             model=model,
-            pre=md.get("tokenizer.ggml.pre"),
+            pre=pre,
             tokens=tokens,
             types=types,
             scores=list(md.get("tokenizer.ggml.scores") or []),
@@ -71,7 +76,6 @@ class Vocab:
             eos_id=token_id("eos", 2 if spm else None),
             unk_id=token_id("unknown", 0 if spm else None),
             end_ids=frozenset(end_ids),
-            add_bos=bool(md.get("tokenizer.ggml.add_bos_token", spm or md.get("tokenizer.ggml.pre") in
-                                {"llama3", "llama-v3", "llama-bpe", "falcon3"})),
+            add_bos=bool(md.get("tokenizer.ggml.add_bos_token", spm or pre in _BOS_BY_DEFAULT)),
             add_space_prefix=spm and bool(md.get("tokenizer.ggml.add_space_prefix", True)),
         )
