@@ -18,6 +18,7 @@ from jllm.errors import JllmError
 from jllm.gguf.quants import dequantize
 from jllm.gguf.reader import GGUFFile
 from jllm.model.config import ModelConfig
+from jllm.model.converted import ConvertedWriter, open_converted
 from jllm.model.linear import DenseLinear, Int8Linear, int8_supported, quantize_weight_int8
 
 PRECISIONS = ("exact", "int8", "bf16", "f16")
@@ -71,12 +72,20 @@ class Weights:
 
 
 class _Builder:
-    def __init__(self, gguf: GGUFFile, precision: str, device: torch.device):
+    def __init__(self, gguf: GGUFFile, precision: str, device: torch.device, use_cache: bool):
         if precision not in PRECISIONS:
             raise JllmError(f"unknown precision {precision!r} (choose from {', '.join(PRECISIONS)})")
         if precision == "int8" and (device.type != "cpu" or not int8_supported()):
             raise JllmError("precision int8 needs an x86 CPU with FBGEMM; use --precision bf16 on this device")
         self.gguf, self.precision, self.device = gguf, precision, device
+        self.reader = self.writer = None
+        if precision == "int8" and use_cache:
+            try:
+                self.reader, path = open_converted(gguf.path, precision)
+                if self.reader is None:
+                    self.writer = ConvertedWriter(path, {"gguf": str(gguf.path), "precision": precision})
+            except OSError:
+                self.reader = self.writer = None       # read-only or full disk: convert in memory only
 
     def has(self, name: str) -> bool:
         return name in self.gguf.tensors
@@ -103,6 +112,23 @@ class _Builder:
             chunk = table[r:r + _ROWS_PER_CHUNK]
             yield dequantize(chunk, info.ggml_type, (chunk.shape[0], cols))
 
+    def _int8_matrix(self, names: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        key = "+".join(names)
+        if self.reader is not None and key + ":q" in self.reader.tensors:
+            return self.reader.get(key + ":q"), self.reader.get(key + ":scale")
+        qs, scales = [], []
+        for name in names:
+            for chunk in self._float_rows(name):
+                q, s = quantize_weight_int8(chunk)
+                qs.append(q)
+                scales.append(s)
+        q = torch.cat(qs) if len(qs) > 1 else qs[0]
+        scale = torch.cat(scales)
+        if self.writer is not None:
+            self.writer.add(key + ":q", q)
+            self.writer.add(key + ":scale", scale)
+        return q, scale
+
     def linear(self, names: list[str], biases: list[str | None] | None = None):
         """One linear layer from the row-wise concatenation of the named matrices."""
         bias = None
@@ -113,22 +139,18 @@ class _Builder:
                              torch.zeros(self.gguf.tensors[name].shape[0], device=self.device))
             bias = torch.cat(parts)
         if self.precision == "int8":
-            qs, scales = [], []
-            for name in names:
-                for chunk in self._float_rows(name):
-                    q, s = quantize_weight_int8(chunk)
-                    qs.append(q)
-                    scales.append(s)
-            q = torch.cat(qs) if len(qs) > 1 else qs[0]
-            return Int8Linear(q, torch.cat(scales), bias)
+            q, scale = self._int8_matrix(names)
+            return Int8Linear(q, scale, bias)
         dtype = {"exact": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[self.precision]
         chunks = [c.to(dtype) for name in names for c in self._float_rows(name)]
         w = torch.cat(chunks) if len(chunks) > 1 else chunks[0]
         return DenseLinear(w.to(self.device), bias)
 
 
-def load_weights(gguf: GGUFFile, cfg: ModelConfig, precision: str, device: torch.device) -> Weights:
-    b = _Builder(gguf, precision, device)
+def load_weights(gguf: GGUFFile, cfg: ModelConfig, precision: str, device: torch.device,
+                 use_cache: bool = True) -> Weights:
+    """use_cache: read int8 matrices converted by an earlier load, or save them for the next one."""
+    b = _Builder(gguf, precision, device, use_cache)
     layers = []
     for i in range(cfg.n_layers):
         p = f"blk.{i}."
@@ -145,7 +167,7 @@ def load_weights(gguf: GGUFFile, cfg: ModelConfig, precision: str, device: torch
             post_attn_norm=b.optional_vector(p + "post_attention_norm.weight"),
             post_ffn_norm=b.optional_vector(p + "post_ffw_norm.weight"),
         ))
-        _release_memory()
+        _release_memory(collect=False)
     output_name = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
     weights = Weights(
         embed=Embedding(gguf, "token_embd.weight", device),
@@ -153,13 +175,19 @@ def load_weights(gguf: GGUFFile, cfg: ModelConfig, precision: str, device: torch
         output_norm=b.vector("output_norm.weight"),
         output=b.linear([output_name]),
     )
+    if b.writer is not None:
+        try:
+            b.writer.commit()
+        except OSError:
+            pass                                     # no room for the cache: next load converts again
     _release_memory()
     return weights
 
 
-def _release_memory() -> None:
+def _release_memory(collect: bool = True) -> None:
     """Hand freed conversion buffers back to the OS, so peak RSS stays near the final weights' size."""
-    gc.collect()
+    if collect:
+        gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except OSError:

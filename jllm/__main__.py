@@ -1,0 +1,4 @@
+import sys
+from jllm.cli import main
+
+sys.exit(main())
