@@ -24,12 +24,20 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from jllm.errors import JllmError
+
+# Torch threads used while decoding. One, on purpose: the decode is ~10 short memory-bound ops per chunk,
+# each a fork/join of torch's OpenMP pool, and when the machine has other busy processes every join waits
+# for a descheduled thread: on this project's shared 2-core box (load ~4), 2 threads took 10.5 s for the
+# 1.5B model's embedding matrix where 1 thread took 0.23 s. A second thread gained only ~1.4x in a
+# microbenchmark at lighter load. The caller's own setting is restored after every chunk.
+DECODE_THREADS = 1
 
 # Values decoded per inner step (4 MB of float32): large enough to amortise torch's ~5 us per op, small
 # enough that the temporaries stay in the CPU cache.
@@ -51,7 +59,7 @@ def _words(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.int64)
 
 
-def _f16(b: torch.Tensor, byte: int) -> torch.Tensor:
+def _half(b: torch.Tensor, byte: int) -> torch.Tensor:
     """The f16 at byte offset `byte` of each block, as float32: [nb, ts] uint8 -> [nb, 1]."""
     return b[:, byte:byte + 2].view(torch.float16).float()
 
@@ -77,19 +85,19 @@ def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
 
 def _q8_0(b: torch.Tensor, out: torch.Tensor) -> None:
     out.copy_(b[:, 2:].view(torch.int8))
-    out.mul_(_f16(b, 0))
+    out.mul_(_half(b, 0))
 
 
 def _q4_0(b: torch.Tensor, out: torch.Tensor) -> None:
     out.copy_(_nibbles(b[:, 2:], 1))
     out.sub_(8)
-    out.mul_(_f16(b, 0))
+    out.mul_(_half(b, 0))
 
 
 def _q4_1(b: torch.Tensor, out: torch.Tensor) -> None:
     out.copy_(_nibbles(b[:, 4:], 1))
-    out.mul_(_f16(b, 0))
-    out.add_(_f16(b, 2))
+    out.mul_(_half(b, 0))
+    out.add_(_half(b, 2))
 
 
 def _q5_0(b: torch.Tensor, out: torch.Tensor) -> None:
@@ -97,15 +105,15 @@ def _q5_0(b: torch.Tensor, out: torch.Tensor) -> None:
     q |= _fifth_bits(b[:, 2:6])
     out.copy_(q)
     out.sub_(16)
-    out.mul_(_f16(b, 0))
+    out.mul_(_half(b, 0))
 
 
 def _q5_1(b: torch.Tensor, out: torch.Tensor) -> None:
     q = _nibbles(b[:, 8:], 1)
     q |= _fifth_bits(b[:, 4:8])
     out.copy_(q)
-    out.mul_(_f16(b, 0))
-    out.add_(_f16(b, 2))
+    out.mul_(_half(b, 0))
+    out.add_(_half(b, 2))
 
 
 def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,7 +127,7 @@ def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     a, m, c = s[:, 0], s[:, 1], s[:, 2]
     sc = torch.cat([a & 0x3F, (c & 0x0F) | ((a >> 2) & 0x30)], dim=1)
     mn = torch.cat([m & 0x3F, (c >> 4) | ((m >> 2) & 0x30)], dim=1)
-    return (_f16(b, 0) * sc).unsqueeze(-1), (_f16(b, 2) * mn).unsqueeze(-1)
+    return (_half(b, 0) * sc).unsqueeze(-1), (_half(b, 2) * mn).unsqueeze(-1)
 
 
 def _q4_k(b: torch.Tensor, out: torch.Tensor) -> None:
@@ -149,7 +157,7 @@ def _q6_k(b: torch.Tensor, out: torch.Tensor) -> None:
     q = _nibbles(b[:, :128], 2).view(nb, 2, 4, 32)
     qh = _words(b[:, 128:192]).view(nb, 2, 1, 4)
     q.view(torch.int64).bitwise_or_(((qh >> _SHIFT4x2) & (3 * _LSB)) << 4)
-    d = (_f16(b, 208) * b[:, 192:208].view(torch.int8)).unsqueeze(-1)    # [nb, 16, 1]
+    d = (_half(b, 208) * b[:, 192:208].view(torch.int8)).unsqueeze(-1)    # [nb, 16, 1]
     out = out.view(-1, 16, 16)
     out.copy_(q.view(nb, 16, 16))
     out.sub_(32)
@@ -160,7 +168,7 @@ def _f32(b: torch.Tensor, out: torch.Tensor) -> None:
     out.copy_(b.view(torch.float32))
 
 
-def _f16_type(b: torch.Tensor, out: torch.Tensor) -> None:
+def _f16(b: torch.Tensor, out: torch.Tensor) -> None:
     h = b.view(torch.float16).view(-1)
     out.copy_(h.view(out.shape))
     nan = out.isnan()
@@ -179,7 +187,7 @@ def _bf16(b: torch.Tensor, out: torch.Tensor) -> None:
 # type -> decoder(blocks [nb, type_size] uint8, out [nb, block_size] float32). Plain floats are decoded
 # as "blocks" of one value.
 _DECODERS: dict[T, Callable[[torch.Tensor, torch.Tensor], None]] = {
-    T.F32: _f32, T.F16: _f16_type, T.BF16: _bf16,
+    T.F32: _f32, T.F16: _f16, T.BF16: _bf16,
     T.Q8_0: _q8_0, T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1,
     T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k,
 }
@@ -212,6 +220,8 @@ def _as_bytes(raw: np.ndarray | torch.Tensor) -> torch.Tensor:
     """The raw bytes as a flat uint8 tensor (shares memory where it can; never written to)."""
     if isinstance(raw, np.ndarray):
         raw = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+        if raw.flags.writeable:
+            return torch.from_numpy(raw)
         with warnings.catch_warnings():     # read-only mmap views: torch warns, but we only read
             warnings.simplefilter("ignore", UserWarning)
             return torch.from_numpy(raw)
@@ -221,14 +231,27 @@ def _as_bytes(raw: np.ndarray | torch.Tensor) -> torch.Tensor:
     return raw
 
 
+@contextmanager
+def _torch_threads(n: int):
+    before = torch.get_num_threads()
+    if n != before:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if n != before:
+            torch.set_num_threads(before)
+
+
 def _decode_blocks(data: torch.Tensor, decode, block_size: int, type_size: int,
                    b0: int, b1: int, out: torch.Tensor) -> None:
     """Decode blocks b0..b1 of `data` into out (flat, (b1 - b0) * block_size values)."""
     step = max(8, CHUNK_VALUES // block_size // 8 * 8)
     out = out.view(-1, block_size)
-    for s in range(b0, b1, step):
-        e = min(b1, s + step)
-        decode(data[s * type_size:e * type_size].view(e - s, type_size), out[s - b0:e - b0])
+    with _torch_threads(DECODE_THREADS):
+        for s in range(b0, b1, step):
+            e = min(b1, s + step)
+            decode(data[s * type_size:e * type_size].view(e - s, type_size), out[s - b0:e - b0])
 
 
 def dequantize(raw: np.ndarray | torch.Tensor, ggml_type: T, shape: tuple[int, ...],
@@ -252,21 +275,32 @@ def dequantize(raw: np.ndarray | torch.Tensor, ggml_type: T, shape: tuple[int, .
 
 
 def dequantize_rows(raw: np.ndarray | torch.Tensor, ggml_type: T, shape: tuple[int, ...],
-                    rows_per_chunk: int) -> Iterator[tuple[int, torch.Tensor]]:
+                    rows_per_chunk: int, out: torch.Tensor | None = None
+                    ) -> Iterator[tuple[int, torch.Tensor]]:
     """Decode a tensor in row chunks: yields (first_row, float32 [n, cols]) with n <= rows_per_chunk.
 
-    The tensor is seen as a matrix of prod(shape[:-1]) rows; each chunk is a fresh tensor the caller
-    may keep. Peak memory is one chunk plus small temporaries.
+    The tensor is seen as a matrix of prod(shape[:-1]) rows. Each chunk is a fresh tensor the caller may
+    keep, unless `out` (a contiguous float32 buffer of at least rows_per_chunk * cols values) is given:
+    then every chunk is a view of it, overwritten by the next one, which saves the page faults of a fresh
+    allocation per chunk (about a quarter of the time). Chunks of a million values or more keep torch's
+    per-op overhead negligible. Peak memory is one chunk plus small temporaries.
     """
     shape = tuple(shape)
     data = _as_bytes(raw)
     rows, cols, block_size, type_size = _layout(ggml_type, shape, data.numel())
     if rows_per_chunk < 1:
         raise ValueError("rows_per_chunk must be at least 1")
+    if out is not None and (out.dtype != torch.float32 or not out.is_contiguous()
+                            or out.numel() < min(rows, rows_per_chunk) * cols):
+        raise ValueError(f"out must be a contiguous float32 tensor of at least "
+                         f"{min(rows, rows_per_chunk) * cols} values")
     decode, blocks_per_row = _DECODERS[ggml_type], cols // block_size
     for r0 in range(0, rows, rows_per_chunk):
         r1 = min(rows, r0 + rows_per_chunk)
-        chunk = torch.empty(r1 - r0, cols, dtype=torch.float32)
+        if out is None:
+            chunk = torch.empty(r1 - r0, cols, dtype=torch.float32)
+        else:
+            chunk = out.view(-1)[:(r1 - r0) * cols].view(r1 - r0, cols)
         _decode_blocks(data, decode, block_size, type_size, r0 * blocks_per_row, r1 * blocks_per_row,
                        chunk.view(-1))
         yield r0, chunk
