@@ -7,6 +7,7 @@ distribution plain sampling draws from.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -21,22 +22,27 @@ class SamplingParams:
     top_p: float = 1.0                # 1 = off
     min_p: float = 0.0                # 0 = off
     repeat_penalty: float = 1.0       # 1 = off
-    repeat_last_n: int = 64
-    seed: int | None = None
+    repeat_last_n: int = 64           # tokens of history penalized; 0 = off, -1 = all (llama.cpp)
+    seed: int | None = None           # None = a fresh random seed
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise JllmError(f"temperature must be >= 0, got {self.temperature}")
+        # written as `not (ok)` so that NaN fails every check
+        if not (0.0 <= self.temperature < math.inf):
+            raise JllmError(f"temperature must be >= 0 and finite, got {self.temperature}")
         if self.top_k < 0:
             raise JllmError(f"top-k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise JllmError(f"top-p must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:
             raise JllmError(f"min-p must be in [0, 1], got {self.min_p}")
-        if self.repeat_penalty <= 0:
-            raise JllmError(f"repeat penalty must be > 0, got {self.repeat_penalty}")
+        if not (0.0 < self.repeat_penalty < math.inf):
+            raise JllmError(f"repeat penalty must be > 0 and finite, got {self.repeat_penalty}")
+        if self.repeat_last_n < -1:
+            raise JllmError(f"repeat-last-n must be >= -1, got {self.repeat_last_n}")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise JllmError(f"seed must be in 0..2^64-1, got {self.seed} (leave it out for a random seed)")
         if self.max_tokens < 0:
             raise JllmError(f"max tokens must be >= 0, got {self.max_tokens}")
 
@@ -46,8 +52,11 @@ class SamplingParams:
 
 
 def apply_repeat_penalty(logits: torch.Tensor, history: list[int], penalty: float, last_n: int) -> torch.Tensor:
-    """logits: [V]. Divide positive / multiply negative logits of recently seen tokens (llama.cpp, CTRL)."""
-    if penalty == 1.0 or not history:
+    """logits: [V]. Divide positive / multiply negative logits of recently seen tokens (llama.cpp, CTRL).
+
+    last_n: how many of the most recent tokens count; 0 = none, -1 = the whole history.
+    """
+    if penalty == 1.0 or not history or last_n == 0:
         return logits
     recent = history[-last_n:] if last_n > 0 else history
     ids = torch.tensor(sorted(set(recent)), dtype=torch.long, device=logits.device)
@@ -58,27 +67,34 @@ def apply_repeat_penalty(logits: torch.Tensor, history: list[int], penalty: floa
 
 
 def probs(logits: torch.Tensor, p: SamplingParams, history: list[int] = ()) -> torch.Tensor:
-    """logits: [V] -> the sampling distribution [V] float32 (for temperature > 0)."""
+    """logits: [V] -> the distribution [V] float32 that `sample` draws from (one-hot at the argmax if greedy).
+
+    Top-k, top-p and min-p choose the candidates on the distribution before temperature; temperature then
+    reshapes the candidates' probabilities (llama.cpp's order, so a temperature never changes the set).
+    """
     logits = apply_repeat_penalty(logits.float(), list(history), p.repeat_penalty, p.repeat_last_n)
+    if p.greedy:
+        return torch.nn.functional.one_hot(torch.argmax(logits), logits.shape[-1]).float()
+    keep = torch.ones_like(logits, dtype=torch.bool)
     if p.top_k and p.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, p.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    logits = logits / p.temperature
-    pr = torch.softmax(logits, dim=-1)
+        keep = torch.zeros_like(keep)
+        keep[torch.topk(logits, p.top_k).indices] = True       # exactly k, even with ties
+    pr = torch.softmax(logits.masked_fill(~keep, float("-inf")), dim=-1)
     if p.top_p < 1.0:
         sp, si = torch.sort(pr, descending=True)
-        cum = torch.cumsum(sp, dim=-1)
-        drop = cum - sp > p.top_p          # keep the smallest prefix whose mass reaches top_p
-        pr = pr.clone()
-        pr[si[drop]] = 0.0
+        before = torch.cumsum(sp, dim=-1) - sp  # mass of the more likely tokens
+        keep[si[before >= p.top_p]] = False     # keep the smallest prefix whose mass reaches top_p
     if p.min_p > 0.0:
-        pr = torch.where(pr < p.min_p * pr.max(), torch.zeros_like(pr), pr)
-    return pr / pr.sum()
+        keep &= pr >= p.min_p * pr.max()
+    return torch.softmax(logits.masked_fill(~keep, float("-inf")) / p.temperature, dim=-1)
 
 
 def make_generator(seed: int | None) -> torch.Generator:
     g = torch.Generator()
-    g.manual_seed(seed if seed is not None else torch.seed())
+    if seed is None:
+        g.seed()                  # a fresh random seed for this generator only
+    else:
+        g.manual_seed(seed)
     return g
 
 

@@ -152,7 +152,11 @@ def pull(alias: str | ModelSpec, progress: bool = True, force: bool = False) -> 
     """
     spec = _spec(alias)
     root = models_dir()
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise JllmError(f"cannot create the models directory {root}: {e.strerror} "
+                        "(set JLLM_MODELS_DIR to a writable folder)") from None
     final = root / spec.file_name
     with _locked(root / f"{spec.file_name}.lock", spec.alias, progress):
         # Another process may have finished this pull while we waited for the lock.
@@ -338,6 +342,7 @@ def _assemble(spec: ModelSpec, root: Path, final: Path, progress: bool) -> None:
         _write_sidecar(spec, final)
         done = True
     finally:
+        bar.leave = done          # a failed pull leaves only its error message on the screen
         bar.close()
         pool.shutdown(wait=True, cancel_futures=True)
         shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,239 @@
+"""The `jllm` command line (jllm/cli.py), run as a subprocess on a tiny synthetic model.
+
+Every user mistake must end as exactly one line on stderr, `jllm: <what was wrong>`, a non-zero exit status,
+and no traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from gguf import GGMLQuantizationType
+from synthetic import write_tiny_model
+
+from jllm.gguf.reader import read_gguf
+from jllm.store import ALIASES
+
+REPO = Path(__file__).resolve().parents[1]
+TIMINGS = {"load_ms", "prompt_eval_ms", "prompt_tok_s", "decode_ms", "decode_tokens", "decode_tok_s"}
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory) -> Path:
+    """A folder holding tiny.gguf (qwen2; ffn 256 so that ffn_down rows fit 256-value quant blocks)."""
+    d = tmp_path_factory.mktemp("cli")
+    write_tiny_model(d / "tiny.gguf", "qwen2", intermediate_size=256)
+    return d
+
+
+def jllm(home: Path, *args: str, stdin: str | None = None, env: dict | None = None):
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("JLLM_")}
+    full_env.update(JLLM_CONVERTED_DIR=str(home / "converted"), JLLM_MODELS_DIR=str(home / "models"),
+                    PYTHONPATH=str(REPO))
+    full_env.update(env or {})
+    # bytes, not text=True: universal newlines would turn a progress bar's carriage returns into line breaks
+    proc = subprocess.run([sys.executable, "-m", "jllm", *args], cwd=home, env=full_env,
+                          input=(stdin or "").encode(), capture_output=True, timeout=120)
+    proc.stdout, proc.stderr = proc.stdout.decode(), proc.stderr.decode()
+    return proc
+
+
+def screen_lines(text: str) -> list[str]:
+    """The non-blank lines a terminal would show: a carriage return starts its line over."""
+    return [s for s in (ln.rsplit("\r", 1)[-1] for ln in text.split("\n")) if s.strip()]
+
+
+def assert_user_error(proc, *words: str) -> str:
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode != 0
+    lines = screen_lines(proc.stderr)
+    assert len(lines) == 1 and lines[0].startswith("jllm: "), proc.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+    return lines[0]
+
+
+def derived(home: Path, name: str, data: bytes | bytearray) -> str:
+    (home / name).write_bytes(bytes(data))
+    return name
+
+
+# --------------------------------------------------------------------------------------------- GGUF patching
+
+
+def patch_string_value(data: bytearray, key: str, new: str) -> None:
+    """Overwrite the string value of metadata `key` with `new`, which must have the same length."""
+    k = struct.pack("<Q", len(key)) + key.encode()
+    pos = data.index(k) + len(k)
+    vtype, n = struct.unpack_from("<IQ", data, pos)
+    assert vtype == 8 and n == len(new.encode())               # 8: string
+    data[pos + 12:pos + 12 + n] = new.encode()
+
+
+def patch_tensor_type(path: Path, data: bytearray, name: str, new: GGMLQuantizationType) -> None:
+    """Overwrite the ggml type code of tensor `name` in its header record (name, ndim, dims, type, offset)."""
+    g = read_gguf(path)
+    info = g.tensors[name]
+    g.close()
+    rec = struct.pack("<Q", len(name)) + name.encode()
+    pos = data.index(rec) + len(rec)
+    assert struct.unpack_from("<I", data, pos)[0] == len(info.shape)
+    pos += 4 + 8 * len(info.shape)
+    assert struct.unpack_from("<I", data, pos)[0] == int(info.ggml_type)
+    struct.pack_into("<I", data, pos, int(new))
+
+
+# --------------------------------------------------------------------------------------------- user mistakes
+
+
+def test_truncated_file(home):
+    data = (home / "tiny.gguf").read_bytes()
+    name = derived(home, "half.gguf", data[:len(data) // 2])
+    assert_user_error(jllm(home, "generate", "-m", name, "-p", "hi"), name, "truncated")
+
+
+def test_truncated_header(home):
+    data = (home / "tiny.gguf").read_bytes()
+    name = derived(home, "head.gguf", data[:300])
+    assert_user_error(jllm(home, "inspect", name), name, "truncated")
+
+
+def test_wrong_magic(home):
+    (home / "x.gguf").write_text("this is a text file, not a model; " * 4)
+    assert_user_error(jllm(home, "generate", "-m", "x.gguf", "-p", "hi"), "x.gguf", "not a GGUF file")
+
+
+def test_tiny_file(home):
+    (home / "short.gguf").write_text("hi\n")
+    assert_user_error(jllm(home, "inspect", "short.gguf"), "short.gguf", "not a GGUF file")
+
+
+def test_missing_file(home):
+    assert_user_error(jllm(home, "generate", "-m", "nowhere.gguf", "-p", "hi"), "nowhere.gguf", "not found")
+
+
+def test_unknown_alias(home):
+    line = assert_user_error(jllm(home, "generate", "-m", "llama-9000b", "-p", "hi"), "llama-9000b")
+    assert all(alias in line for alias in ALIASES)              # it says what would have worked
+
+
+def test_pull_unknown_alias(home):
+    assert_user_error(jllm(home, "models", "pull", "llama-9000b"), "llama-9000b")
+
+
+def test_unknown_architecture(home):
+    data = bytearray((home / "tiny.gguf").read_bytes())
+    patch_string_value(data, "general.architecture", "qwen9")
+    name = derived(home, "qwen9.gguf", data)
+    assert read_gguf(home / name).architecture == "qwen9"
+    assert_user_error(jllm(home, "generate", "-m", name, "-p", "hi"), "qwen9", "not supported")
+    assert_user_error(jllm(home, "inspect", name), "qwen9", "not supported")
+
+
+def test_unsupported_tensor_type(home):
+    data = bytearray((home / "tiny.gguf").read_bytes())
+    patch_tensor_type(home / "tiny.gguf", data, "blk.0.ffn_down.weight", GGMLQuantizationType.IQ2_XS)
+    name = derived(home, "iq2.gguf", data)
+    assert read_gguf(home / name).tensors["blk.0.ffn_down.weight"].ggml_type == GGMLQuantizationType.IQ2_XS
+    assert_user_error(jllm(home, "generate", "-m", name, "-p", "hi"), "IQ2_XS", "not supported")
+
+
+def test_prompt_longer_than_context(home):
+    proc = jllm(home, "generate", "-m", "tiny.gguf", "-c", "16", "-p", "hello world " * 20)
+    assert_user_error(proc, "context size 16", "--ctx-size")
+
+
+def test_failed_download(home):
+    empty = home / "empty-index"
+    empty.mkdir(exist_ok=True)
+    proc = jllm(home, "models", "pull", "smollm2-135m",
+                env={"JLLM_PIP_ARGS": f"--no-index --find-links {empty}"})
+    assert_user_error(proc, "smollm2-135m", "could not download")
+    left = {f.name for f in (home / "models").iterdir()}
+    assert left <= {ALIASES["smollm2-135m"].file_name + ".lock"}, left   # no partial file, no temp folder
+
+
+def test_unusable_models_dir(home):
+    proc = jllm(home, "models", "pull", "smollm2-135m", env={"JLLM_MODELS_DIR": str(home / "tiny.gguf" / "m")})
+    assert_user_error(proc, "models directory", "JLLM_MODELS_DIR")
+
+
+def test_cuda_on_a_cpu_only_machine(home):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert_user_error(jllm(home, "generate", "-m", "tiny.gguf", "-p", "hi", "--device", "cuda"), "cuda")
+
+
+def test_bad_sampling_value(home):
+    assert_user_error(jllm(home, "generate", "-m", "tiny.gguf", "-p", "hi", "--top-p", "0"), "top-p")
+
+
+# --------------------------------------------------------------------------------------------- success paths
+
+
+def test_generate_json(home):
+    proc = jllm(home, "generate", "-m", "tiny.gguf", "-p", "hi", "-n", "5", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 1
+    res = json.loads(lines[0])
+    assert {"text", "token_ids", "prompt_tokens", "timings"} <= set(res)
+    assert isinstance(res["text"], str)
+    assert 1 <= len(res["token_ids"]) <= 5 and all(isinstance(t, int) for t in res["token_ids"])
+    assert res["prompt_tokens"] == 2                            # "h", "i": no merge joins them
+    assert TIMINGS <= set(res["timings"])
+    assert res["timings"]["load_ms"] > 0 and res["timings"]["decode_tokens"] == len(res["token_ids"])
+
+
+def test_generate_chat_streams_text_and_prints_speeds(home):
+    proc = jllm(home, "generate", "-m", "tiny.gguf", "-p", "hi", "-n", "4", "--chat", "--temp", "0.8",
+                "--seed", "1", "--stop", "zzz")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.endswith("\n")
+    lines = screen_lines(proc.stderr)
+    assert len(lines) == 1 and lines[0].startswith("[prompt ") and "decode" in lines[0], proc.stderr
+
+
+def test_inspect(home):
+    proc = jllm(home, "inspect", "tiny.gguf")
+    assert proc.returncode == 0, proc.stderr
+    fields = dict(ln.split(None, 1) for ln in proc.stdout.splitlines())
+    assert fields["architecture"] == "qwen2" and fields["layers"] == "2" and fields["vocab_size"] == "300"
+
+
+def test_inspect_json(home):
+    proc = jllm(home, "inspect", "tiny.gguf", "--json")
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)
+    assert info["architecture"] == "qwen2" and info["gguf_version"] == 3
+    assert info["layers"] == 2 and info["hidden"] == 64 and info["ffn"] == 256 and info["vocab_size"] == 300
+    assert info["tensor_types"] == {"F32": len(read_gguf(home / "tiny.gguf").tensors)}
+    assert info["chat_template"] is True and info["tied_embeddings"] is False
+
+
+def test_models_lists_the_aliases(home):
+    proc = jllm(home, "models")
+    assert proc.returncode == 0, proc.stderr
+    rows = {ln.split()[0]: ln.split() for ln in proc.stdout.splitlines()[2:]}
+    assert set(rows) == set(ALIASES) and len(ALIASES) == 4
+    assert all(row[1] == "no" for row in rows.values())         # nothing downloaded into this models dir
+
+
+def test_chat_over_stdin(home):
+    proc = jllm(home, "chat", "-m", "tiny.gguf", "-n", "4", stdin="hello\nhow are you\n")
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    turns = proc.stdout.split("> ")                             # the prompt printed before each read
+    assert turns[0] == "" and turns[-1] == ""                   # ends at the third prompt, on EOF
+    answers = turns[1:-1]
+    assert len(answers) == 2
+    assert all(a.endswith("\n") and a.strip() for a in answers), answers
