@@ -103,6 +103,10 @@ def cmd_chat(a: argparse.Namespace) -> int:
                 parts.append(piece.text)
         except KeyboardInterrupt:
             pass
+        except JllmError as e:          # e.g. the conversation outgrew the context: keep the session
+            print(f"\njllm: {e} — /reset starts over", file=sys.stderr)
+            messages.pop()
+            continue
         sys.stdout.write("\n")
         messages.append({"role": "assistant", "content": "".join(parts)})
 

@@ -70,6 +70,8 @@ def set_threads(threads: int | None) -> None:
 class Engine:
     def __init__(self, model_path: str, device: str | None = "cpu", precision: str | None = None,
                  ctx_size: int = 4096, threads: int | None = None):
+        if ctx_size <= 0:
+            raise JllmError(f"context size must be positive, got {ctx_size}")
         t0 = time.perf_counter()
         set_threads(threads)
         self.device = resolve_device(device)
@@ -78,8 +80,6 @@ class Engine:
         self.chat_template = ChatTemplate.from_metadata(self.gguf.metadata, self.tokenizer)
         self.precision = precision or default_precision(self.device)
         self.model = load_model(self.gguf, self.device, self.precision, max_positions=ctx_size)
-        if ctx_size <= 0:
-            raise JllmError(f"context size must be positive, got {ctx_size}")
         self.ctx_size = ctx_size
         self.cache = self.model.new_cache(ctx_size)
         self.cached_ids: list[int] = []
@@ -158,7 +158,7 @@ class Engine:
                 timings.decode_tokens += 1
                 if tok in self.tokenizer.eot_ids:
                     self.finish_reason = "stop"
-                    yield Piece(tok, stops.flush() + decoder.flush())
+                    yield Piece(tok, stops.push(decoder.flush()) + stops.flush())
                     return
                 text = stops.push(decoder.push(tok))
                 yield Piece(tok, text)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from jllm.errors import JllmError
-from jllm.gguf.quants import dequantize
+from jllm.gguf import quants
 from jllm.gguf.reader import GGUFFile
 from jllm.model.config import ModelConfig
 from jllm.model.converted import ConvertedWriter, open_converted
@@ -54,7 +54,7 @@ class Embedding:
         if idx.size and (idx.min() < 0 or idx.max() >= self.rows):
             raise JllmError(f"token id out of range 0..{self.rows - 1}")
         rows = np.ascontiguousarray(self.table[idx])
-        return dequantize(rows, self.type, (len(idx), self.cols)).to(self.device)
+        return quants.dequantize(rows, self.type, (len(idx), self.cols)).to(self.device)
 
 
 @dataclass
@@ -94,7 +94,14 @@ class _Builder:
         if not self.has(name):
             raise JllmError(f"{self.gguf.path}: tensor {name!r} is missing")
         info = self.gguf.tensors[name]
-        return dequantize(self.gguf.raw(name), info.ggml_type, info.shape).to(self.device)
+        return self._dequantize(name, self.gguf.raw(name), info.shape).to(self.device)
+
+    def _dequantize(self, name: str, raw, shape) -> torch.Tensor:
+        info = self.gguf.tensors[name]
+        if info.ggml_type not in quants.SUPPORTED_TYPES:
+            raise JllmError(f"{self.gguf.path}: tensor {name!r} has type {info.ggml_type.name}, which is not "
+                            f"supported by jllm (supported: {', '.join(sorted(t.name for t in quants.SUPPORTED_TYPES))})")
+        return quants.dequantize(raw, info.ggml_type, shape)
 
     def optional_vector(self, name: str) -> torch.Tensor | None:
         return self.vector(name) if self.has(name) else None
@@ -110,7 +117,7 @@ class _Builder:
         table = self.gguf.raw(name).reshape(rows, -1)
         for r in range(0, rows, _ROWS_PER_CHUNK):
             chunk = table[r:r + _ROWS_PER_CHUNK]
-            yield dequantize(chunk, info.ggml_type, (chunk.shape[0], cols))
+            yield self._dequantize(name, chunk, (chunk.shape[0], cols))
 
     def _int8_matrix(self, names: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         key = "+".join(names)
