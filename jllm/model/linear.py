@@ -53,8 +53,10 @@ class DenseLinear:
 class Int8Linear:
     """Batch-invariant int8 x int8 linear on FBGEMM (x86 CPUs)."""
 
-    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                 residual: bool = False):
         n, k = qweight.shape
+        self.residual = residual
         with warnings.catch_warnings():      # quantized tensors are deprecated in torch, FBGEMM's linear is not
             warnings.simplefilter("ignore", UserWarning)
             qw = torch._make_per_channel_quantized_tensor(qweight, scale.double(), torch.zeros(n, dtype=torch.long), 0)
@@ -68,12 +70,15 @@ class Int8Linear:
         # x: [M, K] float32
         m = x.shape[0]
         s1 = x.abs().amax(dim=1, keepdim=True).clamp_min_(1e-30) / 127.0        # [M, 1]
-        q1 = torch.round(x / s1)
-        r = x - q1 * s1
-        s2 = r.abs().amax(dim=1, keepdim=True).clamp_min_(1e-30) / 127.0
-        q2 = torch.round(r / s2)
-        y = torch.ops.quantized.linear_dynamic(torch.cat([self._calib, q1, q2]), self.packed, False)
-        y = y[1:m + 1] * s1 + y[m + 1:] * s2                                       # [M, N]
+        t = x / s1
+        q1 = torch.round(t)
+        if self.residual:
+            q2 = torch.round((t - q1) * 254.0)                                   # |t - q1| <= 0.5
+            y = torch.ops.quantized.linear_dynamic(torch.cat([self._calib, q1, q2]), self.packed, False)
+            y = y[1:m + 1].add_(y[m + 1:], alpha=1.0 / 254.0).mul_(s1)           # [M, N]
+        else:
+            y = torch.ops.quantized.linear_dynamic(torch.cat([self._calib, q1]), self.packed, False)
+            y = y[1:].mul_(s1)
         return y + self.bias if self.bias is not None else y
 
     def nbytes(self) -> int:
