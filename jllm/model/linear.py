@@ -51,38 +51,64 @@ class DenseLinear:
 
 
 class Int8Linear:
-    """Batch-invariant int8 x int8 linear on FBGEMM (x86 CPUs)."""
+    """Batch-invariant int8 x int8 linear on FBGEMM (x86 CPUs).
+
+    Construction is cheap; `pack()` does FBGEMM's (slow, ~40 MB/s) weight packing and may run on a worker
+    thread, which is how loading packs two matrices at a time.
+    """
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
                  residual: bool = False):
-        n, k = qweight.shape
-        self.residual = residual
-        with warnings.catch_warnings():      # quantized tensors are deprecated in torch, FBGEMM's linear is not
-            warnings.simplefilter("ignore", UserWarning)
-            qw = torch._make_per_channel_quantized_tensor(qweight, scale.double(), torch.zeros(n, dtype=torch.long), 0)
-        self.packed = torch.ops.quantized.linear_prepack(qw, None)
+        self.out_features, self.in_features = qweight.shape
+        self._q, self._scale = qweight, scale
+        self.packed = None
         self.bias = bias
-        self.out_features, self.in_features = n, k
-        self._calib = torch.zeros(1, k)
-        self._calib[0, 0], self._calib[0, 1 % k] = 127.0, -128.0
+        self.residual = residual
+
+    def pack(self) -> "Int8Linear":
+        if self.packed is None:
+            n = self.out_features
+            with warnings.catch_warnings():      # quantized tensors are deprecated in torch; FBGEMM's linear is not
+                warnings.simplefilter("ignore", UserWarning)
+                qw = torch._make_per_channel_quantized_tensor(self._q, self._scale.double(),
+                                                              torch.zeros(n, dtype=torch.long), 0)
+            self.packed = torch.ops.quantized.linear_prepack(qw, None)
+            self._q = self._scale = None
+        return self
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [M, K] float32
         m = x.shape[0]
         s1 = x.abs().amax(dim=1, keepdim=True).clamp_min_(1e-30) / 127.0        # [M, 1]
         t = x / s1
-        q1 = torch.round(t)
         if self.residual:
-            q2 = torch.round((t - q1) * 254.0)                                   # |t - q1| <= 0.5
-            y = torch.ops.quantized.linear_dynamic(torch.cat([self._calib, q1, q2]), self.packed, False)
+            buf = _input_buffer(self.in_features, 2 * m + 1)
+            q1 = torch.round(t, out=buf[1:m + 1])
+            torch.round((t - q1).mul_(254.0), out=buf[m + 1:2 * m + 1])           # |t - q1| <= 0.5
+            y = torch.ops.quantized.linear_dynamic(buf[:2 * m + 1], self.packed, False)
             y = y[1:m + 1].add_(y[m + 1:], alpha=1.0 / 254.0).mul_(s1)           # [M, N]
         else:
-            y = torch.ops.quantized.linear_dynamic(torch.cat([self._calib, q1]), self.packed, False)
-            y = y[1:].mul_(s1)
-        return y + self.bias if self.bias is not None else y
+            buf = _input_buffer(self.in_features, m + 1)
+            torch.round(t, out=buf[1:m + 1])
+            y = torch.ops.quantized.linear_dynamic(buf[:m + 1], self.packed, False)[1:].mul_(s1)
+        return y.add_(self.bias) if self.bias is not None else y
 
     def nbytes(self) -> int:
         return self.out_features * (self.in_features + 4)
+
+
+_buffers: dict[int, torch.Tensor] = {}
+
+
+def _input_buffer(k: int, rows: int) -> torch.Tensor:
+    """A [rows, k] scratch input whose row 0 is the calibration row (127, -128, 0, ...), shared by all
+    linears of width k: calls run one at a time, and a call reads only the rows it wrote."""
+    buf = _buffers.get(k)
+    if buf is None or buf.shape[0] < rows:
+        buf = torch.zeros(max(rows, 16), k)
+        buf[0, 0], buf[0, 1 % k] = 127.0, -128.0
+        _buffers[k] = buf
+    return buf
 
 
 def int8_supported() -> bool:

@@ -20,7 +20,7 @@ from jllm.model.weights import Weights
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+    return F.rms_norm(x, w.shape, w, eps)
 
 
 def rope_table(cfg: ModelConfig, base: float, scale: float, n_pos: int, device) -> tuple[torch.Tensor, torch.Tensor]:

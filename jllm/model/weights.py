@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ctypes
 import gc
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -159,6 +161,8 @@ def load_weights(gguf: GGUFFile, cfg: ModelConfig, precision: str, device: torch
     """use_cache: read int8 matrices converted by an earlier load, or save them for the next one."""
     b = _Builder(gguf, precision, device, use_cache)
     layers = []
+    packing = ThreadPoolExecutor(max_workers=2, thread_name_prefix="jllm-pack")
+    pending: deque = deque()
     for i in range(cfg.n_layers):
         p = f"blk.{i}."
         layers.append(LayerWeights(
@@ -174,6 +178,11 @@ def load_weights(gguf: GGUFFile, cfg: ModelConfig, precision: str, device: torch
             post_attn_norm=b.optional_vector(p + "post_attention_norm.weight"),
             post_ffn_norm=b.optional_vector(p + "post_ffw_norm.weight"),
         ))
+        for lin in (layers[-1].qkv, layers[-1].o, layers[-1].gate_up, layers[-1].down):
+            if isinstance(lin, Int8Linear):
+                pending.append(packing.submit(lin.pack))
+        while len(pending) > 8:              # bound the unpacked int8 copies held at once
+            pending.popleft().result()
         _release_memory(collect=False)
     output_name = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
     weights = Weights(
@@ -182,6 +191,11 @@ def load_weights(gguf: GGUFFile, cfg: ModelConfig, precision: str, device: torch
         output_norm=b.vector("output_norm.weight"),
         output=b.linear([output_name]),
     )
+    if isinstance(weights.output, Int8Linear):
+        pending.append(packing.submit(weights.output.pack))
+    for f in pending:
+        f.result()
+    packing.shutdown()
     if b.writer is not None:
         try:
             b.writer.commit()
