@@ -91,14 +91,65 @@ def print_table(r: dict) -> None:
         print(f"{k:>3} {k + 1:>7} {r['forward_ms'][k + 1]:>11.2f} {ratio:>14.2f}")
 
 
+def llamacpp_bench(bin_dir: str, model_path: str, threads: int, prompt_tokens: int, decode_tokens: int) -> dict:
+    """Run llama.cpp's llama-bench on the same file (the side-by-side baseline); returns tok/s."""
+    import subprocess
+    from pathlib import Path
+
+    exe = Path(bin_dir) / "llama-bench"
+    if not exe.exists():
+        raise JllmError(f"--llamacpp: {exe} not found (build it with ../shared/tools/build_llamacpp.sh)")
+    cmd = [str(exe), "-m", model_path, "-t", str(threads), "-p", str(prompt_tokens), "-n", str(decode_tokens),
+           "-r", "2", "-o", "json"]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise JllmError(f"llama-bench failed: {out.stderr.strip().splitlines()[-1:] or out.returncode}")
+    res = {}
+    for row in json.loads(out.stdout):
+        key = "prefill_tok_s" if row.get("n_prompt", 0) > 0 else "decode_tok_s"
+        res[key] = float(row["avg_ts"])
+    return res
+
+
+def perplexity(eng, text: str, max_tokens: int = 1024, chunk: int = 256) -> tuple[float, int]:
+    """Perplexity of the model on the first max_tokens tokens of text, one context, in chunks."""
+    ids = eng.tokenizer.encode(text)[:max_tokens]
+    if len(ids) < 2:
+        raise JllmError("perplexity needs a text of at least two tokens")
+    eng.cache.truncate(0)
+    eng.cached_ids = []
+    nll, n = 0.0, 0
+    for s in range(0, len(ids) - 1, chunk):
+        part = ids[s:s + chunk]
+        logp = torch.log_softmax(eng.model.forward(torch.tensor(part, device=eng.device), eng.cache).float(), -1)
+        targets = torch.tensor(ids[s + 1:s + 1 + len(part)], device=logp.device)
+        logp = logp[:len(targets)]
+        nll -= logp.gather(1, targets[:, None]).sum().item()
+        n += len(targets)
+    return float(torch.exp(torch.tensor(nll / n))), n
+
+
 def run_bench(a) -> int:
     from jllm.engine import Engine
     from jllm.store import resolve
 
     ctx = max(a.ctx_size, a.prompt_tokens + a.decode_tokens + a.max_k + 16)
     eng = Engine(str(resolve(a.model)), device=a.device, precision=a.precision, ctx_size=ctx, threads=a.threads)
+    if a.perplexity:
+        with open(a.perplexity, encoding="utf-8") as f:
+            ppl, n = perplexity(eng, f.read(), max_tokens=min(a.ppl_tokens, ctx - 1))
+        print(f"perplexity {ppl:.4f} over {n} tokens of {a.perplexity} ({eng.precision})")
+        return 0
     r = measure(eng, a.prompt_tokens, a.decode_tokens, a.max_k, a.repeats)
     print_table(r)
+    if a.llamacpp:
+        base = llamacpp_bench(a.llamacpp, str(eng.gguf.path), torch.get_num_threads(), a.prompt_tokens,
+                              a.decode_tokens)
+        r["llamacpp"] = base
+        print(f"\nllama.cpp (llama-bench, same file, same threads, measured just now)")
+        print(f"{'':>10} {'jllm':>10} {'llama.cpp':>10} {'ratio':>7}")
+        for key, label in (("decode_tok_s", "decode"), ("prefill_tok_s", "prefill")):
+            print(f"{label:>10} {r[key]:>10.2f} {base[key]:>10.2f} {r[key] / base[key]:>7.2f}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(r, f, indent=1)

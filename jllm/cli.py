@@ -196,6 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-k", type=int, default=8)
     b.add_argument("--repeats", type=int, default=5)
     b.add_argument("--json", default=None, help="also write results to this JSON file")
+    b.add_argument("--llamacpp", default=None, metavar="BIN_DIR",
+                   help="also run llama.cpp's llama-bench from BIN_DIR on the same file, side by side")
+    b.add_argument("--perplexity", default=None, metavar="FILE", help="measure perplexity on FILE instead")
+    b.add_argument("--ppl-tokens", type=int, default=1024, help="tokens of FILE for --perplexity")
     b.set_defaults(func=cmd_bench)
     return ap
 

@@ -23,6 +23,10 @@ from __future__ import annotations
 import warnings
 
 import torch
+
+# FBGEMM's linear needs a per-channel quantized weight tensor to pack; torch warns that creating quantized
+# tensors is deprecated (the packed linear is not). Silenced once, here, for the packing worker threads too.
+warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*", category=UserWarning)
 import torch.nn.functional as F
 
 
@@ -68,10 +72,8 @@ class Int8Linear:
     def pack(self) -> "Int8Linear":
         if self.packed is None:
             n = self.out_features
-            with warnings.catch_warnings():      # quantized tensors are deprecated in torch; FBGEMM's linear is not
-                warnings.simplefilter("ignore", UserWarning)
-                qw = torch._make_per_channel_quantized_tensor(self._q, self._scale.double(),
-                                                              torch.zeros(n, dtype=torch.long), 0)
+            qw = torch._make_per_channel_quantized_tensor(self._q, self._scale.double(),
+                                                          torch.zeros(n, dtype=torch.long), 0)
             self.packed = torch.ops.quantized.linear_prepack(qw, None)
             self._q = self._scale = None
         return self
@@ -79,7 +81,7 @@ class Int8Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [M, K] float32
         m = x.shape[0]
-        s1 = x.abs().amax(dim=1, keepdim=True).clamp_min_(1e-30) / 127.0        # [M, 1]
+        s1 = torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True).clamp_min_(1e-30).div_(127.0)  # [M, 1]
         t = x / s1
         if self.residual:
             buf = _input_buffer(self.in_features, 2 * m + 1)

@@ -72,17 +72,15 @@ class Transformer:
         for i, L in enumerate(w.layers):
             h = rms_norm(x, L.attn_norm, c.rms_eps)
             qkv = L.qkv(h)                                                    # [T, q_dim + 2 kv_dim]
-            q = qkv[:, :q_dim].reshape(T, c.n_heads, c.head_dim)
-            k = qkv[:, q_dim:q_dim + kv_dim].reshape(T, c.n_kv_heads, c.head_dim)
+            qk = qkv[:, :q_dim + kv_dim].reshape(T, c.n_heads + c.n_kv_heads, c.head_dim)
             v = qkv[:, q_dim + kv_dim:].reshape(T, c.n_kv_heads, c.head_dim)
             if L.q_norm is not None:
-                q = rms_norm(q, L.q_norm, c.rms_eps)
-                k = rms_norm(k, L.k_norm, c.rms_eps)
+                qk = torch.cat([rms_norm(qk[:, :c.n_heads], L.q_norm, c.rms_eps),
+                                rms_norm(qk[:, c.n_heads:], L.k_norm, c.rms_eps)], dim=1)
             sliding = c.is_sliding(i)
             cos, sin = self.rope_local if sliding else self.rope_global
-            cos, sin = cos[start:start + T], sin[start:start + T]
-            q = apply_rope(q, cos, sin, c.traits.rope_neox, c.rope_dim)
-            k = apply_rope(k, cos, sin, c.traits.rope_neox, c.rope_dim)
+            qk = apply_rope(qk, cos[start:start + T], sin[start:start + T], c.traits.rope_neox, c.rope_dim)
+            q, k = qk[:, :c.n_heads], qk[:, c.n_heads:]                      # [T, H, hd], [T, Hk, hd]
             cache.k[i, :, start:start + T] = k.transpose(0, 1)
             cache.v[i, :, start:start + T] = v.transpose(0, 1)
             a = self._attention(q, cache, i, start, c.sliding_window if sliding else 0)   # [T, q_dim]
