@@ -21,6 +21,11 @@ _FILLER = (
 )
 
 
+def _sync(dev) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
 def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
@@ -44,6 +49,7 @@ def measure(eng, prompt_tokens: int = 512, decode_tokens: int = 64, max_k: int =
         cache.truncate(0)
         t0 = time.perf_counter()
         logits, _ = eng.prefill(ids)
+        _sync(dev)
         best = min(best, time.perf_counter() - t0)
     prefill_tok_s = len(ids) / best
 
@@ -66,6 +72,7 @@ def measure(eng, prompt_tokens: int = 512, decode_tokens: int = 64, max_k: int =
         for _ in range(repeats):
             t0 = time.perf_counter()
             model.forward(block[:k + 1], cache)
+            _sync(dev)
             times.append(time.perf_counter() - t0)
             cache.truncate(base)
         ratios[k] = statistics.median(times)

@@ -1,0 +1,35 @@
+"""The same model on CUDA: logits match the CPU exact path; the engine generates. Skipped without a GPU
+(CI has none; run on the borrowed H200, see BENCHMARKS.md)."""
+
+import pytest
+import torch
+
+from jllm.engine import Engine
+from jllm.model.loader import load_model
+from jllm.sampling import SamplingParams
+from synthetic import write_tiny_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
+def test_cuda_exact_matches_cpu(arch, tmp_path):
+    path = tmp_path / f"{arch}.gguf"
+    write_tiny_model(path, arch)
+    ids = torch.arange(3, 23)
+    cpu = load_model(path, device="cpu", precision="exact", cache_weights=False)
+    gpu = load_model(path, device="cuda", precision="exact", cache_weights=False)
+    a = cpu.forward(ids, cpu.new_cache(64))
+    b = gpu.forward(ids.cuda(), gpu.new_cache(64)).cpu()
+    assert (a - b).abs().max().item() < 1e-3 * a.abs().max().item()
+
+
+def test_cuda_bf16_engine_generates(tmp_path):
+    path = tmp_path / "qwen2.gguf"
+    write_tiny_model(path, "qwen2")
+    eng = Engine(str(path), device="cuda", ctx_size=128)
+    assert eng.precision == "bf16"
+    res = eng.generate("hello", SamplingParams(max_tokens=8))
+    assert len(res.token_ids) == 8
+    sampled = eng.generate("hello", SamplingParams(max_tokens=8, temperature=0.8, seed=1))
+    assert len(sampled.token_ids) == 8
