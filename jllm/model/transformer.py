@@ -107,6 +107,8 @@ class Transformer:
         c = self.cfg
         T = q.shape[0]
         K, V = cache.k[layer].unsqueeze(0), cache.v[layer].unsqueeze(0)       # [1, Hk, max, hd]
+        if T > 1 and q.device.type != "cpu":
+            return self._attention_batched(q, K, V, start, window)
         out = torch.empty(T, c.n_heads, c.head_dim, device=q.device)
         gqa = c.n_heads != c.n_kv_heads
         for t in range(T):
@@ -117,3 +119,21 @@ class Transformer:
                                                scale=c.attn_scale, enable_gqa=gqa)
             out[t] = o[0, :, 0]
         return out.view(T, c.n_heads * c.head_dim)
+
+    def _attention_batched(self, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, start: int,
+                           window: int) -> torch.Tensor:
+        """All T queries in one call (GPUs, where a call per query would be launch-bound; their GEMMs are not
+        batch-invariant anyway). q: [T, H, hd] -> [T, H * hd]."""
+        c = self.cfg
+        T = q.shape[0]
+        end = start + T
+        lo = max(0, start - window + 1) if window else 0
+        qpos = torch.arange(start, end, device=q.device)[:, None]
+        kpos = torch.arange(lo, end, device=q.device)[None, :]
+        mask = kpos <= qpos
+        if window:
+            mask &= kpos > qpos - window
+        o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), K[:, :, lo:end], V[:, :, lo:end],
+                                           attn_mask=mask, scale=c.attn_scale,
+                                           enable_gqa=c.n_heads != c.n_kv_heads)      # [1, H, T, hd]
+        return o[0].transpose(0, 1).reshape(T, c.n_heads * c.head_dim)
