@@ -173,6 +173,18 @@ class GGUFFile:
         t = self.tensors[name]
         return np.frombuffer(self._mmap, dtype=np.uint8, count=t.nbytes, offset=t.offset)
 
+    def release(self, name: str) -> None:
+        """Drop the tensor's pages from this process's memory (they stay in the page cache): after a
+        matrix is converted its GGUF bytes are not read again, so they should not count as ours."""
+        t = self.tensors[name]
+        page = mmap.PAGESIZE
+        start = t.offset // page * page
+        end = (t.offset + t.nbytes + page - 1) // page * page
+        try:
+            self._mmap.madvise(mmap.MADV_DONTNEED, start, min(end, self.size) - start)
+        except (AttributeError, OSError, ValueError):
+            pass                                  # not on this platform: only memory accounting suffers
+
     def close(self) -> None:
         try:
             self._mmap.close()

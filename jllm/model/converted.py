@@ -1,11 +1,13 @@
 """Converted-weights cache: the int8 matrices and scales made from one GGUF file, so later loads skip
 dequantization and requantization.
 
-File format, version 1 (`<models cache>/converted/<key>.jllmw`):
-    8 bytes   magic b"JLLMW\\x00\\x01\\x00"
-    8 bytes   little-endian uint64: length H of the JSON header
-    H bytes   JSON: {"version": 1, "source": {...}, "tensors": {name: [dtype, shape, offset, nbytes]}}
-    data      raw little-endian tensor bytes, each at its offset from the start of the data section
+File format, version 2 (`<models cache>/converted/<key>.jllmw`):
+    8 bytes   magic b"JLLMW\\x00\\x02\\x00"
+    data      raw little-endian tensor bytes, each at its offset from the start of the data section (byte 8)
+    H bytes   JSON: {"version": 2, "source": {...}, "tensors": {name: [dtype, shape, offset, nbytes]}}
+    8 bytes   little-endian uint64: H
+The index sits at the end so tensors stream straight into the file as they are converted; a file is written
+as `<key>.partial`, fsynced and renamed, so a reader never sees a half-written one.
 The key hashes the GGUF's absolute path, size and modification time, the precision and this format's
 version, so a changed file is converted afresh. Tensors are read one at a time with plain file reads (no
 memory map), so peak memory stays at the final weights plus one matrix.
@@ -17,14 +19,13 @@ import hashlib
 import json
 import os
 import struct
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
-MAGIC = b"JLLMW\x00\x01\x00"
-VERSION = 1
+MAGIC = b"JLLMW\x00\x02\x00"
+VERSION = 2
 _DTYPES = {"int8": (torch.int8, np.int8), "float32": (torch.float32, np.float32)}
 
 
@@ -43,60 +44,64 @@ def converted_dir() -> Path:
 class ConvertedReader:
     def __init__(self, path: Path):
         self.path = path
+        size = os.path.getsize(path)
         with open(path, "rb") as f:
-            if f.read(8) != MAGIC:
+            if f.read(8) != MAGIC or size < 16:
                 raise ValueError("bad magic")
+            f.seek(size - 8)
             (h,) = struct.unpack("<Q", f.read(8))
+            if h > size - 16:
+                raise ValueError("bad index length")
+            f.seek(size - 8 - h)
             header = json.loads(f.read(h))
         if header.get("version") != VERSION:
             raise ValueError("version mismatch")
         self.tensors = header["tensors"]
-        self.data_start = 16 + h
-        self.expected_size = self.data_start + sum(t[3] for t in self.tensors.values())
-        if os.path.getsize(path) != self.expected_size:
+        self.data_start = 8
+        if self.data_start + sum(t[3] for t in self.tensors.values()) != size - 8 - h:
             raise ValueError("truncated")
 
     def get(self, name: str) -> torch.Tensor:
         dtype, shape, offset, nbytes = self.tensors[name]
-        arr = np.fromfile(self.path, dtype=_DTYPES[dtype][1], count=nbytes // np.dtype(_DTYPES[dtype][1]).itemsize,
+        np_dtype = np.dtype(_DTYPES[dtype][1])
+        arr = np.fromfile(self.path, dtype=np_dtype, count=nbytes // np_dtype.itemsize,
                           offset=self.data_start + offset)
         return torch.from_numpy(arr).reshape(shape)
 
 
 class ConvertedWriter:
-    """Collects tensors in a temporary file; `commit()` renames it into place atomically."""
+    """Streams tensors into `<path>.partial`; `commit()` appends the index, fsyncs and renames atomically."""
 
     def __init__(self, path: Path, source: dict):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path, self.source = path, source
-        self.data = tempfile.TemporaryFile(dir=path.parent)
+        self.tmp = path.with_suffix(f".{os.getpid()}.partial")
+        self.f = open(self.tmp, "wb")
+        self.f.write(MAGIC)
         self.tensors: dict[str, list] = {}
         self.offset = 0
 
     def add(self, name: str, t: torch.Tensor) -> None:
-        dtype = str(t.dtype).replace("torch.", "")
-        b = t.contiguous().numpy().tobytes()
-        self.tensors[name] = [dtype, list(t.shape), self.offset, len(b)]
-        self.data.write(b)
-        self.offset += len(b)
+        arr = t.contiguous().numpy()
+        self.tensors[name] = [str(t.dtype).replace("torch.", ""), list(t.shape), self.offset, arr.nbytes]
+        self.f.write(memoryview(arr).cast("B"))
+        self.offset += arr.nbytes
 
     def commit(self) -> None:
-        header = json.dumps({"version": VERSION, "source": self.source, "tensors": self.tensors}).encode()
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".partial")
         try:
-            with os.fdopen(fd, "wb") as out:
-                out.write(MAGIC + struct.pack("<Q", len(header)) + header)
-                self.data.seek(0)
-                while chunk := self.data.read(1 << 24):
-                    out.write(chunk)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(tmp, self.path)
+            header = json.dumps({"version": VERSION, "source": self.source, "tensors": self.tensors}).encode()
+            self.f.write(header + struct.pack("<Q", len(header)))
+            self.f.flush()
+            os.fsync(self.f.fileno())
+            self.f.close()
+            os.replace(self.tmp, self.path)
         except BaseException:
-            Path(tmp).unlink(missing_ok=True)
+            self.abort()
             raise
-        finally:
-            self.data.close()
+
+    def abort(self) -> None:
+        self.f.close()
+        self.tmp.unlink(missing_ok=True)
 
 
 def open_converted(gguf_path: Path, precision: str) -> tuple[ConvertedReader | None, Path]:

@@ -30,12 +30,21 @@ warnings.filterwarnings("ignore", message=".*quantized tensor creation functions
 import torch.nn.functional as F
 
 
-def quantize_weight_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w: [N, K] float -> (int8 [N, K], scale float32 [N]) symmetric per output channel."""
-    amax = w.abs().amax(dim=1).float()
+def quantize_weight_int8(w: torch.Tensor, out: torch.Tensor | None = None,
+                         scale_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """w: [N, K] float -> (int8 [N, K], scale float32 [N]) symmetric per output channel.
+
+    Overwrites w (a scratch chunk) to avoid temporaries; writes into out / scale_out when given."""
+    amax = w.abs().amax(dim=1)
     scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q, scale
+    w.div_(scale[:, None]).round_()
+    if out is None:
+        out = torch.empty(w.shape, dtype=torch.int8)
+    out.copy_(w)                                  # |w| <= 127 after the division: no clamp needed
+    if scale_out is not None:
+        scale_out.copy_(scale)
+        scale = scale_out
+    return out, scale
 
 
 class DenseLinear:
@@ -81,7 +90,7 @@ class Int8Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [M, K] float32
         m = x.shape[0]
-        s1 = torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True).clamp_min_(1e-30).div_(127.0)  # [M, 1]
+        s1 = x.abs().amax(dim=1, keepdim=True).clamp_min_(1e-30).div_(127.0)    # [M, 1]
         t = x / s1
         if self.residual:
             buf = _input_buffer(self.in_features, 2 * m + 1)

@@ -31,6 +31,7 @@ from jllm.model.linear import DenseLinear, Int8Linear, int8_supported, quantize_
 PRECISIONS = ("exact", "int8", "int8-fast", "bf16", "f16")
 INT8 = ("int8", "int8-fast")
 _ROWS_PER_CHUNK = 8192
+_CONVERT_VALUES = 1 << 20          # values per conversion chunk: 4 MB of f32, stays in cache
 
 
 @dataclass
@@ -128,21 +129,39 @@ class _Builder:
             yield self._dequantize(name, chunk, (chunk.shape[0], cols))
 
     def _int8_matrix(self, names: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The row-wise concatenation of the named matrices as int8 [N, K] with per-row scales [N]."""
         key = "+".join(names)
         if self.reader is not None and key + ":q" in self.reader.tensors:
             return self.reader.get(key + ":q"), self.reader.get(key + ":scale")
-        qs, scales = [], []
-        for name in names:
-            for chunk in self._float_rows(name):
-                q, s = quantize_weight_int8(chunk)
-                qs.append(q)
-                scales.append(s)
-        q = torch.cat(qs) if len(qs) > 1 else qs[0]
-        scale = torch.cat(scales)
+        infos = [self._matrix_info(n) for n in names]
+        cols = infos[0].shape[1]
+        n_rows = sum(i.shape[0] for i in infos)
+        q = torch.empty(n_rows, cols, dtype=torch.int8)
+        scale = torch.empty(n_rows)
+        row = 0
+        for info in infos:
+            rows = info.shape[0]
+            chunk = max(1, min(rows, _CONVERT_VALUES // cols))
+            buf = torch.empty(chunk * cols)
+            for r0, block in quants.dequantize_rows(self.gguf.raw(info.name), info.ggml_type, info.shape, chunk, buf):
+                n = block.shape[0]
+                quantize_weight_int8(block, out=q[row + r0:row + r0 + n], scale_out=scale[row + r0:row + r0 + n])
+            self.gguf.release(info.name)
+            row += rows
         if self.writer is not None:
             self.writer.add(key + ":q", q)
             self.writer.add(key + ":scale", scale)
         return q, scale
+
+    def _matrix_info(self, name: str):
+        if not self.has(name):
+            raise JllmError(f"{self.gguf.path}: tensor {name!r} is missing")
+        info = self.gguf.tensors[name]
+        if len(info.shape) != 2:
+            raise JllmError(f"{self.gguf.path}: tensor {name!r} should be a matrix, has shape {info.shape}")
+        if info.ggml_type not in quants.SUPPORTED_TYPES:
+            self._dequantize(name, None, info.shape)          # raises the one-line error
+        return info
 
     def linear(self, names: list[str], biases: list[str | None] | None = None):
         """One linear layer from the row-wise concatenation of the named matrices."""

@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers, verification rules, the draft/target compatibility gate, the bench corpus."""
