@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
 
 from jllm.errors import JllmError
 
@@ -42,12 +44,41 @@ def _params(a: argparse.Namespace):
                           stop=tuple(a.stop))
 
 
-def _engine(a: argparse.Namespace):
+def _engine(a: argparse.Namespace, kv_cache: bool = False):
     from jllm.engine import Engine
     from jllm.store import resolve
 
+    kv_dir = str(_cache_dir(a)) if kv_cache else None
     return Engine(str(resolve(a.model)), device=a.device, precision=a.precision, ctx_size=a.ctx_size,
-                  threads=a.threads)
+                  threads=a.threads, kv_store_dir=kv_dir, kv_store_bytes=getattr(a, "cache_size", 1 << 30))
+
+
+def _cache_dir(a: argparse.Namespace):
+    from pathlib import Path
+
+    from jllm.cache.conversations import default_cache_dir
+
+    return Path(a.cache_dir) if getattr(a, "cache_dir", None) else default_cache_dir()
+
+
+def parse_size(text: str) -> int:
+    """'1073741824', '1G', '512M', '64k' (binary units) -> bytes."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    num, unit = (t[:-1], t[-1]) if t and t[-1] in units else (t, "")
+    try:
+        value = int(float(num) * units[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r} (use bytes or a suffix: 512M, 1G)") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: negative")
+    return value
+
+
+def _cache_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cache-dir", default=None, help="persistent KV cache directory "
+                   "(default: $JLLM_CACHE_DIR or the user cache dir)")
+    p.add_argument("--cache-size", type=parse_size, default=1 << 30, help="KV cache size cap (default 1G)")
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -73,42 +104,120 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def _timings_line(t: dict) -> str:
+    return (f"[prompt {t['prompt_tokens_evaluated']} tok evaluated, {t['cached_tokens']} cached, "
+            f"{t['prompt_tok_s']} tok/s | decode {t['decode_tokens']} tok, {t['decode_tok_s']} tok/s]")
+
+
 def cmd_chat(a: argparse.Namespace) -> int:
+    """Interactive chat, or one turn of a stored conversation with -p (non-interactive)."""
+    import time
+
+    from jllm.cache.conversations import load_messages, save_messages
+    from jllm.engine import Timings
+
     params = _params(a)
-    eng = _engine(a)
-    messages: list[dict] = []
-    if a.system:
+    cache_dir = _cache_dir(a)
+    conv_id = a.conversation
+    if a.prompt is not None and conv_id is None:
+        conv_id = f"chat-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    messages = load_messages(cache_dir, conv_id) if conv_id else []
+    if a.system and not messages:
         messages.append({"role": "system", "content": a.system})
-    print(f"jllm chat — {eng.model.cfg.name or a.model}. Ctrl-D or /exit to quit, /reset to start over.",
-          file=sys.stderr)
+    eng = _engine(a, kv_cache=not a.no_kv_cache)
+
+    def turn(text: str, echo: bool) -> tuple[str, object, Timings]:
+        messages.append({"role": "user", "content": text})
+        timings = Timings(load_ms=eng.load_ms)
+        parts, ids = [], []
+        try:
+            for piece in eng.stream(eng.chat_ids(messages), params, timings, conv_id=conv_id):
+                if echo:
+                    sys.stdout.write(piece.text)
+                    sys.stdout.flush()
+                parts.append(piece.text)
+                if piece.token_id >= 0:
+                    ids.append(piece.token_id)
+        except BaseException:
+            messages.pop()
+            raise
+        reply = "".join(parts)
+        messages.append({"role": "assistant", "content": reply})
+        if conv_id:
+            save_messages(cache_dir, conv_id, messages)
+        return reply, ids, timings
+
+    if a.prompt is not None:                      # one turn, then exit
+        reply, ids, timings = turn(a.prompt, echo=not a.json)
+        eng.wait_saves()
+        t = timings.as_dict()
+        if a.json:
+            print(json.dumps({"conversation": conv_id, "text": reply, "token_ids": ids,
+                              "finish_reason": eng.finish_reason, "turn": sum(m["role"] == "user" for m in messages),
+                              "timings": t}, ensure_ascii=False))
+        else:
+            print()
+            print(_timings_line(t), file=sys.stderr)
+        return 0
+
+    name = eng.model.cfg.name or a.model
+    print(f"jllm chat — {name}" + (f", conversation {conv_id}" if conv_id else "") +
+          ". Ctrl-D or /exit to quit, /reset to start over.", file=sys.stderr)
     while True:
         try:
             line = input("> ")
         except EOFError:
             print(file=sys.stderr)
-            return 0
+            break
         if line.strip() in ("/exit", "/quit"):
-            return 0
+            break
         if line.strip() == "/reset":
-            messages = messages[:1] if a.system else []
+            messages[:] = messages[:1] if messages and messages[0]["role"] == "system" else []
             continue
         if not line.strip():
             continue
-        messages.append({"role": "user", "content": line})
-        parts = []
         try:
-            for piece in eng.stream(eng.chat_ids(messages), params):
-                sys.stdout.write(piece.text)
-                sys.stdout.flush()
-                parts.append(piece.text)
+            turn(line, echo=True)
         except KeyboardInterrupt:
             pass
         except JllmError as e:          # e.g. the conversation outgrew the context: keep the session
             print(f"\njllm: {e} — /reset starts over", file=sys.stderr)
-            messages.pop()
             continue
         sys.stdout.write("\n")
-        messages.append({"role": "assistant", "content": "".join(parts)})
+    eng.wait_saves()
+    return 0
+
+
+def cmd_cache(a: argparse.Namespace) -> int:
+    from jllm.cache.conversations import list_conversations, remove_messages
+    from jllm.cache.store import KVStore, check_conversation_id
+
+    cache_dir = _cache_dir(a)
+    store = KVStore(cache_dir, max_bytes=a.cache_size)
+    if a.action == "ls":
+        rows = store.entries()
+        convs = set(list_conversations(cache_dir))
+        print(f"{'entry':<40} {'tokens':>7} {'MiB':>8}  last used")
+        for e in sorted(rows, key=lambda e: -e["last_used"]):
+            print(f"{e['name']:<40} {e['tokens']:>7} {e['bytes'] / 2**20:>8.1f}  "
+                  f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(e['last_used']))}")
+        only_msgs = sorted(convs - {e["name"] for e in rows})
+        if only_msgs:
+            print(f"conversations without a cached KV state: {', '.join(only_msgs)}")
+    elif a.action == "rm":
+        if not a.ids:
+            raise JllmError("usage: jllm cache rm ID [ID ...]")
+        for conv in a.ids:
+            check_conversation_id(conv)
+            found = store.remove(conv) | remove_messages(cache_dir, conv)
+            print(f"{'removed' if found else 'no such conversation'}: {conv}")
+    elif a.action == "clear":
+        print(f"removed {store.clear()} cached states")
+    else:
+        st = store.stats()
+        for k, v in st.items():
+            print(f"{k:<12} {v}")
+    return 0
 
 
 def cmd_models(a: argparse.Namespace) -> int:
@@ -173,11 +282,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object with text, ids and timings")
     g.set_defaults(func=cmd_generate)
 
-    c = sub.add_parser("chat", help="interactive multi-turn chat")
+    c = sub.add_parser("chat", help="multi-turn chat: interactive, or one turn with -p (kept by --conversation)")
     _model_args(c)
     _sampling_args(c)
-    c.add_argument("--system", default=None, help="system message")
+    _cache_args(c)
+    c.add_argument("--system", default=None, help="system message (for a new conversation)")
+    c.add_argument("--conversation", default=None, metavar="ID", help="conversation to continue or start")
+    c.add_argument("-p", "--prompt", default=None, help="run one turn with this user message and exit")
+    c.add_argument("--json", action="store_true", help="with -p: print one JSON object")
+    c.add_argument("--no-kv-cache", action="store_true", help="keep the conversation but evaluate the whole "
+                   "history (no persistent KV state)")
     c.set_defaults(func=cmd_chat)
+
+    k = sub.add_parser("cache", help="the persistent KV cache: ls | rm ID | clear | stats")
+    k.add_argument("action", choices=["ls", "rm", "clear", "stats"])
+    k.add_argument("ids", nargs="*")
+    _cache_args(k)
+    k.set_defaults(func=cmd_cache)
 
     m = sub.add_parser("models", help="list model aliases; `models pull ALIAS` downloads one")
     m.add_argument("action", nargs="?", choices=["list", "pull"], default="list")

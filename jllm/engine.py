@@ -8,6 +8,8 @@ and the persistent cache plug in as token sources and cache loaders around the s
 from __future__ import annotations
 
 import os
+import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -32,6 +34,7 @@ class Timings:
     prompt_eval_ms: float = 0.0
     prompt_tokens_evaluated: int = 0
     cached_tokens: int = 0
+    hydrate_ms: float = 0.0
     decode_ms: float = 0.0
     decode_tokens: int = 0
 
@@ -69,7 +72,8 @@ def set_threads(threads: int | None) -> None:
 
 class Engine:
     def __init__(self, model_path: str, device: str | None = "cpu", precision: str | None = None,
-                 ctx_size: int = 4096, threads: int | None = None):
+                 ctx_size: int = 4096, threads: int | None = None, kv_store_dir: str | None = None,
+                 kv_store_bytes: int = 1 << 30):
         if ctx_size <= 0:
             raise JllmError(f"context size must be positive, got {ctx_size}")
         t0 = time.perf_counter()
@@ -83,6 +87,13 @@ class Engine:
         self.ctx_size = ctx_size
         self.cache = self.model.new_cache(ctx_size)
         self.cached_ids: list[int] = []
+        self.kv_store = None
+        if kv_store_dir is not None:
+            from jllm.cache.store import KVStore, model_fingerprint
+
+            self.kv_store = KVStore(kv_store_dir, max_bytes=kv_store_bytes,
+                                    target_fingerprint=model_fingerprint(self.gguf, self.precision))
+        self._saving: threading.Thread | None = None
         self.load_ms = (time.perf_counter() - t0) * 1000
 
     # -- prompts ----------------------------------------------------------------------------------------------
@@ -97,8 +108,10 @@ class Engine:
 
     # -- evaluation -------------------------------------------------------------------------------------------
 
-    def prefill(self, ids: list[int]) -> tuple[torch.Tensor, int]:
-        """Make the cache hold exactly `ids`, reusing the longest cached prefix.
+    def prefill(self, ids: list[int], conv_id: str | None = None,
+                timings: Timings | None = None) -> tuple[torch.Tensor, int]:
+        """Make the cache hold exactly `ids`, reusing the longest cached prefix: in memory, or from the
+        persistent store (by conversation id, else the longest prefix among stored entries).
 
         Returns the logits after the last token [vocab] and the number of tokens evaluated.
         """
@@ -107,8 +120,9 @@ class Engine:
         if len(ids) >= self.ctx_size:
             raise JllmError(f"prompt of {len(ids)} tokens does not fit the context size {self.ctx_size} "
                             "(raise -c/--ctx-size or shorten the prompt)")
-        keep = common_prefix(self.cached_ids, ids)
-        keep = min(keep, len(ids) - 1)             # evaluate at least one token to get its logits
+        keep = min(common_prefix(self.cached_ids, ids), len(ids) - 1)   # evaluate >= 1 token for its logits
+        if self.kv_store is not None:
+            keep = self._hydrate(ids, conv_id, keep, timings)
         self.cache.truncate(min(keep, self.cache.length))
         self.cached_ids = self.cached_ids[:self.cache.length]
         logits = None
@@ -118,6 +132,48 @@ class Engine:
             self.cached_ids.extend(chunk)
         return logits, len(ids) - keep
 
+    def _hydrate(self, ids: list[int], conv_id: str | None, keep: int, timings: Timings | None) -> int:
+        """Load the best stored state if it covers more of `ids` than the cache already does."""
+        t0 = time.perf_counter()
+        self.wait_saves()
+        name, n = self.kv_store.lookup(ids, conv_id)
+        n = min(n, len(ids) - 1)
+        if name is not None and n > keep:
+            state = self.kv_store.load(name, n)
+            if state is not None:
+                self.cache.load(state.target_k.to(self.device), state.target_v.to(self.device))
+                self.cached_ids = list(state.tokens[:n])
+                keep = n
+        if timings is not None:
+            timings.hydrate_ms = (time.perf_counter() - t0) * 1000
+        return keep
+
+    def save_state(self, conv_id: str | None) -> None:
+        """Store the cache's state for the next turn, on a background thread (see wait_saves)."""
+        if self.kv_store is None or not self.cached_ids:
+            return
+        from jllm.cache.store import KVState
+
+        self.wait_saves()
+        n = self.cache.length
+        k, v = self.cache.export(n)
+        state = KVState(tokens=list(self.cached_ids[:n]), target_k=k.cpu(), target_v=v.cpu())
+        name = conv_id
+
+        def save():
+            try:
+                self.kv_store.save(name, state)
+            except (OSError, JllmError) as e:         # a full disk must not lose the reply
+                print(f"jllm: could not save the KV cache: {e}", file=sys.stderr)
+
+        self._saving = threading.Thread(target=save, name="jllm-kv-save")
+        self._saving.start()
+
+    def wait_saves(self) -> None:
+        if self._saving is not None:
+            self._saving.join()
+            self._saving = None
+
     def step(self, token: int) -> torch.Tensor:
         logits = self.model.forward(torch.tensor([token], device=self.device), self.cache)[-1]
         self.cached_ids.append(token)
@@ -126,17 +182,22 @@ class Engine:
     # -- generation -------------------------------------------------------------------------------------------
 
     def stream(self, prompt_ids: list[int], params: SamplingParams, timings: Timings | None = None,
-               token_source: Callable | None = None) -> Iterator[Piece]:
-        """Yield generated tokens with their text; stops on end-of-turn tokens, stop strings or max_tokens."""
+               token_source: Callable | None = None, conv_id: str | None = None,
+               save: bool = True) -> Iterator[Piece]:
+        """Yield generated tokens with their text; stops on end-of-turn tokens, stop strings or max_tokens.
+
+        With a persistent store, the state is saved afterwards under conv_id (or an anonymous name)."""
         timings = timings if timings is not None else Timings()
         t0 = time.perf_counter()
-        logits, evaluated = self.prefill(prompt_ids)
-        timings.prompt_eval_ms = (time.perf_counter() - t0) * 1000
+        logits, evaluated = self.prefill(prompt_ids, conv_id, timings)
+        timings.prompt_eval_ms = (time.perf_counter() - t0) * 1000 - timings.hydrate_ms
         timings.prompt_tokens_evaluated = evaluated
         timings.cached_tokens = len(prompt_ids) - evaluated
         budget = min(params.max_tokens, self.ctx_size - len(prompt_ids))
         source = (token_source or self._plain_tokens)(logits, params, budget)
         yield from self._emit(source, params, timings)
+        if save:
+            self.save_state(conv_id)
 
     def _plain_tokens(self, logits: torch.Tensor, params: SamplingParams, budget: int) -> Iterator[int]:
         gen = make_generator(params.seed)
@@ -171,12 +232,13 @@ class Engine:
             if hasattr(source, "close"):
                 source.close()
 
-    def generate(self, prompt: str | list[int], params: SamplingParams | None = None) -> Result:
+    def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
+                 conv_id: str | None = None) -> Result:
         params = params or SamplingParams()
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         timings = Timings(load_ms=self.load_ms)
         out_ids, parts = [], []
-        for piece in self.stream(ids, params, timings):
+        for piece in self.stream(ids, params, timings, conv_id=conv_id):
             if piece.token_id >= 0:
                 out_ids.append(piece.token_id)
             parts.append(piece.text)
