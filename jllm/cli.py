@@ -49,8 +49,44 @@ def _engine(a: argparse.Namespace, kv_cache: bool = False):
     from jllm.store import resolve
 
     kv_dir = str(_cache_dir(a)) if kv_cache else None
+    draft = getattr(a, "draft_model", None)
     return Engine(str(resolve(a.model)), device=a.device, precision=a.precision, ctx_size=a.ctx_size,
-                  threads=a.threads, kv_store_dir=kv_dir, kv_store_bytes=getattr(a, "cache_size", 1 << 30))
+                  threads=a.threads, kv_store_dir=kv_dir, kv_store_bytes=getattr(a, "cache_size", 1 << 30),
+                  draft_path=str(resolve(draft)) if draft else None, spec=_spec_config(a))
+
+
+def _spec_config(a: argparse.Namespace):
+    """--spec, or JLLM_SPEC_DECODE=1|0 as the default; with a draft model, speculation is on unless turned off."""
+    from jllm.spec.decode import SpecConfig
+
+    if not hasattr(a, "spec"):
+        return None
+    mode = a.spec
+    if mode is None:
+        env = os.environ.get("JLLM_SPEC_DECODE")
+        if env not in (None, "", "0", "1"):
+            raise JllmError(f"JLLM_SPEC_DECODE must be 1 or 0, not {env!r}")
+        on = env == "1" if env in ("0", "1") else bool(a.draft_model)
+        mode = "auto" if on or (a.draft_model and env != "0") else "none"
+    if mode in ("draft", "draft+ngram") and not a.draft_model:
+        raise JllmError(f"--spec {mode} needs a draft model (-md/--draft-model)")
+    if a.draft_min < 1 or a.draft_max < a.draft_min:
+        raise JllmError(f"need 1 <= --draft-min <= --draft-max (got {a.draft_min}, {a.draft_max})")
+    return SpecConfig(mode=mode, draft_max=a.draft_max, draft_min=a.draft_min, p_min=a.draft_p_min)
+
+
+def _spec_args(p: argparse.ArgumentParser) -> None:
+    from jllm.spec.decode import MODES
+
+    p.add_argument("-md", "--draft-model", default=None, help="draft model (alias or .gguf) for speculative "
+                   "decoding; must share the target's tokenizer")
+    p.add_argument("--spec", default=None, choices=MODES, help="speculation: auto (draft+ngram with a draft "
+                   "model, else ngram), draft, ngram, draft+ngram, none (default: on with -md, or per "
+                   "JLLM_SPEC_DECODE=1|0)")
+    p.add_argument("--draft-max", type=int, default=8, help="most tokens drafted per round (default 8)")
+    p.add_argument("--draft-min", type=int, default=1, help="fewest tokens drafted per round (default 1)")
+    p.add_argument("--draft-p-min", type=float, default=0.6,
+                   help="stop drafting when the draft's top probability is below this (default 0.6)")
 
 
 def _cache_dir(a: argparse.Namespace):
@@ -87,9 +123,11 @@ def cmd_generate(a: argparse.Namespace) -> int:
     ids = eng.chat_ids([{"role": "user", "content": a.prompt}]) if a.chat else eng.encode(a.prompt)
     if a.json:
         res = eng.generate(ids, params)
-        print(json.dumps({"text": res.text, "token_ids": res.token_ids, "prompt_tokens": res.prompt_tokens,
-                          "finish_reason": res.finish_reason, "timings": res.timings.as_dict()},
-                         ensure_ascii=False))
+        out = {"text": res.text, "token_ids": res.token_ids, "prompt_tokens": res.prompt_tokens,
+               "finish_reason": res.finish_reason, "timings": res.timings.as_dict()}
+        if eng.spec_stats is not None:
+            out["spec"] = eng.spec_stats.as_dict()
+        print(json.dumps(out, ensure_ascii=False))
         return 0
     from jllm.engine import Timings
 
@@ -152,9 +190,11 @@ def cmd_chat(a: argparse.Namespace) -> int:
         eng.wait_saves()
         t = timings.as_dict()
         if a.json:
-            print(json.dumps({"conversation": conv_id, "text": reply, "token_ids": ids,
-                              "finish_reason": eng.finish_reason, "turn": sum(m["role"] == "user" for m in messages),
-                              "timings": t}, ensure_ascii=False))
+            out = {"conversation": conv_id, "text": reply, "token_ids": ids, "finish_reason": eng.finish_reason,
+                   "turn": sum(m["role"] == "user" for m in messages), "timings": t}
+            if eng.spec_stats is not None:
+                out["spec"] = eng.spec_stats.as_dict()
+            print(json.dumps(out, ensure_ascii=False))
         else:
             print()
             print(_timings_line(t), file=sys.stderr)
@@ -277,6 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="complete a prompt")
     _model_args(g)
     _sampling_args(g)
+    _spec_args(g)
     g.add_argument("-p", "--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt as one user message in the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object with text, ids and timings")
@@ -286,6 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(c)
     _sampling_args(c)
     _cache_args(c)
+    _spec_args(c)
     c.add_argument("--system", default=None, help="system message (for a new conversation)")
     c.add_argument("--conversation", default=None, metavar="ID", help="conversation to continue or start")
     c.add_argument("-p", "--prompt", default=None, help="run one turn with this user message and exit")

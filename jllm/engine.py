@@ -73,7 +73,8 @@ def set_threads(threads: int | None) -> None:
 class Engine:
     def __init__(self, model_path: str, device: str | None = "cpu", precision: str | None = None,
                  ctx_size: int = 4096, threads: int | None = None, kv_store_dir: str | None = None,
-                 kv_store_bytes: int = 1 << 30):
+                 kv_store_bytes: int = 1 << 30, draft_path: str | None = None, spec=None):
+        """spec: a jllm.spec.decode.SpecConfig, or None for plain decoding (its mode 'none' too)."""
         if ctx_size <= 0:
             raise JllmError(f"context size must be positive, got {ctx_size}")
         t0 = time.perf_counter()
@@ -87,6 +88,11 @@ class Engine:
         self.ctx_size = ctx_size
         self.cache = self.model.new_cache(ctx_size)
         self.cached_ids: list[int] = []
+        self.draft = None
+        if draft_path is not None:
+            self._load_draft(draft_path)
+        self.spec = spec if spec is not None and spec.mode != "none" else None
+        self.spec_stats: dict | None = None
         self.kv_store = None
         if kv_store_dir is not None:
             from jllm.cache.store import KVStore, model_fingerprint
@@ -95,6 +101,15 @@ class Engine:
                                     target_fingerprint=model_fingerprint(self.gguf, self.precision))
         self._saving: threading.Thread | None = None
         self.load_ms = (time.perf_counter() - t0) * 1000
+
+    def _load_draft(self, draft_path: str) -> None:
+        from jllm.spec.compat import check_compatible
+        from jllm.spec.decode import DraftRunner
+
+        dg = read_gguf(draft_path)
+        check_compatible(self.gguf.metadata, dg.metadata, self.gguf.path.name, dg.path.name)
+        draft_model = load_model(dg, self.device, self.precision, max_positions=self.ctx_size)
+        self.draft = DraftRunner(draft_model, self.ctx_size)
 
     # -- prompts ----------------------------------------------------------------------------------------------
 
@@ -194,6 +209,12 @@ class Engine:
         timings.prompt_tokens_evaluated = evaluated
         timings.cached_tokens = len(prompt_ids) - evaluated
         budget = min(params.max_tokens, self.ctx_size - len(prompt_ids))
+        if token_source is None and self.spec is not None:
+            from jllm.spec.decode import SpeculativeDecoder
+
+            decoder = SpeculativeDecoder(self, self.draft, self.spec)
+            token_source = decoder.tokens
+            self.spec_stats = decoder.stats
         source = (token_source or self._plain_tokens)(logits, params, budget)
         yield from self._emit(source, params, timings)
         if save:

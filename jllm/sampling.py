@@ -89,6 +89,18 @@ def probs(logits: torch.Tensor, p: SamplingParams, history: list[int] = ()) -> t
     return torch.softmax(logits.masked_fill(~keep, float("-inf")) / p.temperature, dim=-1)
 
 
+def draw(weights: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """weights: [B, V] non-negative, unnormalised, each row with mass -> [B] one id per row drawn in proportion.
+
+    Inverse CDF in float64: one uniform per row and a binary search. torch.multinomial draws the same
+    distribution but takes ~15 ms for one row of 151,936 on this machine (cumsum + search: ~0.2 ms).
+    A zero-weight id is never drawn: searchsorted(right=True) returns the first id whose cdf exceeds x.
+    """
+    cdf = torch.cumsum(weights.cpu().double(), 1)                                        # [B, V]
+    x = torch.rand(cdf.shape[0], 1, generator=gen, dtype=torch.float64) * cdf[:, -1:]    # [B, 1] in [0, total)
+    return torch.searchsorted(cdf, x, right=True)[:, 0].clamp_(max=cdf.shape[1] - 1)
+
+
 def make_generator(seed: int | None) -> torch.Generator:
     g = torch.Generator()
     if seed is None:
@@ -103,4 +115,4 @@ def sample(logits: torch.Tensor, p: SamplingParams, history: list[int], gen: tor
     if p.greedy:
         logits = apply_repeat_penalty(logits.float(), history, p.repeat_penalty, p.repeat_last_n)
         return int(torch.argmax(logits))
-    return int(torch.multinomial(probs(logits, p, history).cpu(), 1, generator=gen))
+    return int(draw(probs(logits, p, history)[None], gen)[0])

@@ -1,0 +1,2 @@
+"""Persistent state between runs: the on-disk KV store (`store.py`) and conversation histories
+(`conversations.py`)."""

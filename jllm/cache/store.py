@@ -1,0 +1,514 @@
+"""The persistent KV store: one file per conversation holding the token ids a KV state covers and the KV
+tensors of the target model (and of the draft model when speculation is on).
+
+On-disk format, version 1. `<dir>/<conv_id>.kv` for a named conversation, `<dir>/anon-<hash of the
+tokens>.kv` for a prompt without one. All integers little-endian:
+
+    offset  size  field
+    0       8     magic b"JLLM-KV\\n"
+    8       4     u32 format version (1)
+    12      4     u32 H, the header's length in bytes
+    16      32    sha256 of the header bytes followed by the token bytes (the "meta digest")
+    48      H     header, UTF-8 JSON:
+                    {"version": 1, "name": str, "created": unix time,
+                     "target": fingerprint of the target model, "draft": the draft's or null,
+                     "n_tokens": n,
+                     "tensors": [{"name": "target_k", "dtype": "float32", "shape": [L, Hkv, n, D]},
+                                 "target_v", then "draft_k", "draft_v" if present],
+                     "payload_bytes": P, "payload_sha256": hex digest of the payload}
+    48+H    4n    token ids, int32
+    48+H+4n P     payload: the tensors in header order, each its C-order bytes
+
+Header and tokens come first so that `lookup` reads a few KB per entry and never the payload. A file is
+written to `.<name>.<pid>.<rand>.tmp` in the same directory, fsynced and renamed over the entry (then the
+directory is fsynced), so a reader sees an old entry or a new one, never half of one. A file that is
+truncated, fails a checksum, has another format version, or was written for other models (fingerprints,
+see `model_fingerprint`) is reported once through `warn`, removed, and `load` returns None; `lookup` skips
+entries of other models without removing them, since another process with other models may own them.
+
+Writers (save and its eviction, remove, clear) hold `flock(<dir>/.lock)`, so every temp file seen while
+holding the lock belongs to a writer that died, and is removed. Readers take no lock: an entry that vanishes
+while being read is a miss. Last use is the file's mtime (set on save and load); eviction removes the
+least recently used `.kv` files until their total size is <= max_bytes and their count <= max_entries.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import re
+import secrets
+import stat
+import sys
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+
+from jllm.errors import JllmError
+
+FORMAT_VERSION = 1
+MAGIC = b"JLLM-KV\n"
+_PREFIX = 48                        # magic, version, header length, meta digest
+_MAX_HEADER = 1 << 20
+_MAX_TOKENS = 1 << 24
+_CHUNK = 8 << 20                    # bytes per write/read step; hashing of one step overlaps the next's I/O
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_TENSORS = ("target_k", "target_v", "draft_k", "draft_v")
+_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+@dataclass
+class KVState:
+    """One conversation's cached state. Tensors: [n_layers, n_kv_heads, n, head_dim], CPU."""
+
+    tokens: list[int]
+    target_k: torch.Tensor
+    target_v: torch.Tensor
+    draft_k: torch.Tensor | None = None
+    draft_v: torch.Tensor | None = None
+
+
+def check_conversation_id(conv_id: str) -> str:
+    """Return conv_id if it is safe as a file name in the cache directory, else raise JllmError."""
+    if not isinstance(conv_id, str) or not _ID.fullmatch(conv_id) or ".." in conv_id:
+        raise JllmError(f"invalid conversation id {conv_id!r}: use letters, digits, '.', '_' or '-' "
+                        f"(at most 128, starting with a letter or digit, no '..')")
+    return conv_id
+
+
+def model_fingerprint(gguf_file, precision: str) -> str:
+    """A cheap, stable identity of a model as the KV store sees it: sha256 over the store's format version,
+    the precision, the file size, the GGUF header (metadata and tensor directory) and the first and last
+    4 KiB of every tensor's data. Reads a few MB at most."""
+    h = hashlib.sha256(f"jllm-kv {FORMAT_VERSION} {precision} {gguf_file.size}\n".encode())
+    infos = sorted(gguf_file.tensors.values(), key=lambda t: t.offset)
+    data_start = infos[0].offset if infos else gguf_file.size
+    with open(gguf_file.path, "rb") as f:
+        h.update(f.read(data_start))
+    for t in infos:
+        raw = gguf_file.raw(t.name)
+        h.update(raw[:4096])
+        h.update(raw[-4096:])
+    return h.hexdigest()[:32]
+
+
+def _print_to_stderr(message: str) -> None:
+    print(f"jllm: warning: {message}", file=sys.stderr)
+
+
+class _Bad(Exception):
+    """A file that is not a usable entry; `kind` is "corrupt", "version" or "link"."""
+
+    def __init__(self, kind: str, problem: str):
+        super().__init__(problem)
+        self.kind = kind
+
+
+@dataclass
+class _Meta:
+    header: dict
+    tokens: np.ndarray              # int32 [n]
+    st: os.stat_result
+    payload_offset: int
+
+
+# --- buffers and hashing -------------------------------------------------------------------------------------
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes, flat, without a copy when it is already a contiguous CPU tensor."""
+    t = t.detach().cpu().contiguous()
+    return memoryview(t.view(torch.uint8).numpy().reshape(-1))
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_pid = -1
+
+
+def _hasher() -> ThreadPoolExecutor:
+    global _pool, _pool_pid
+    if _pool is None or _pool_pid != os.getpid():     # a forked child has no threads of its parent
+        _pool, _pool_pid = ThreadPoolExecutor(1, thread_name_prefix="jllm-kv-hash"), os.getpid()
+    return _pool
+
+
+def _write_hashed(f, views: list[memoryview], h) -> None:
+    """Write the buffers in order, hashing each chunk on a worker thread while it is written."""
+    pending: Future | None = None
+    try:
+        for view in views:
+            for s in range(0, len(view), _CHUNK):
+                chunk = view[s:s + _CHUNK]
+                if pending is not None:
+                    pending.result()
+                pending = _hasher().submit(h.update, chunk)
+                while chunk:
+                    chunk = chunk[f.write(chunk):]
+    finally:
+        if pending is not None:
+            pending.result()
+
+
+def _read_hashed(f, views: list[memoryview], h) -> None:
+    """Fill the buffers from f, hashing chunk i on a worker thread while chunk i+1 is read."""
+    pending: Future | None = None
+    try:
+        for view in views:
+            for s in range(0, len(view), _CHUNK):
+                chunk = view[s:s + _CHUNK]
+                got = 0
+                while got < len(chunk):
+                    n = f.readinto(chunk[got:])
+                    if not n:
+                        raise _Bad("corrupt", "truncated payload")
+                    got += n
+                if pending is not None:
+                    pending.result()
+                pending = _hasher().submit(h.update, chunk)
+    finally:
+        if pending is not None:
+            pending.result()
+
+
+def _read_exact(f, n: int, what: str) -> bytes:
+    data = f.read(n)
+    if len(data) != n:
+        raise _Bad("corrupt", f"truncated {what}")
+    return data
+
+
+# --- the store ------------------------------------------------------------------------------------------------
+
+class KVStore:
+    """A directory of KV entries for one pair of models (target, optional draft), capped in bytes and count."""
+
+    def __init__(self, directory: str | Path, max_bytes: int = 1 << 30, max_entries: int = 256,
+                 target_fingerprint: str = "", draft_fingerprint: str | None = None,
+                 warn: Callable[[str], None] = _print_to_stderr):
+        if max_bytes <= 0 or max_entries <= 0:
+            raise JllmError(f"KV cache cap must be positive (got {max_bytes} bytes, {max_entries} entries)")
+        self.dir = Path(directory)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        except OSError as e:
+            raise JllmError(f"cannot create the KV cache directory {self.dir}: {e.strerror}") from None
+        self.max_bytes, self.max_entries = max_bytes, max_entries
+        self.target_fingerprint, self.draft_fingerprint = target_fingerprint, draft_fingerprint
+        self.warn = warn
+        self._warned: set[tuple[int, int]] = set()
+        self._last_touch = 0
+
+    # -- reading ----------------------------------------------------------------------------------------------
+
+    def lookup(self, tokens: list[int], conv_id: str | None = None) -> tuple[str | None, int]:
+        """Best entry for this prompt: with conv_id, that entry (if valid for these models); else (and also
+        if the conv entry shares less) the entry with the longest common token prefix. Returns (entry name,
+        common prefix length); reads only headers + token ids, never the KV payload."""
+        want = np.asarray(tokens, dtype=np.int64)
+        best: tuple[str | None, int] = (None, 0)
+        if conv_id is not None:
+            n = self._shared(check_conversation_id(conv_id), want)
+            if n > 0:
+                best = (conv_id, n)
+            if n == len(want):
+                return best
+        for name in self._names():
+            if name != conv_id:
+                n = self._shared(name, want)
+                if n > best[1]:
+                    best = (name, n)
+        return best
+
+    def _shared(self, name: str, want: np.ndarray) -> int:
+        """Common prefix of `want` with the entry's tokens; 0 if missing, foreign or bad."""
+        try:
+            with self._open(name) as f:
+                meta = self._read_meta(f, name)
+        except FileNotFoundError:
+            return 0
+        except _Bad as e:
+            if e.kind != "link":
+                self._discard(name, e, None)
+            return 0
+        if not self._ours(meta.header):
+            return 0
+        have = meta.tokens[:len(want)]
+        diff = np.flatnonzero(have != want[:len(have)])
+        return int(diff[0]) if len(diff) else len(have)
+
+    def load(self, name: str, n_tokens: int) -> KVState | None:
+        """Read an entry, verify header and checksum, return its first n_tokens positions; None (after one
+        warning line naming the file and the problem, and removing the file) if it is corrupt, truncated,
+        of another format version, or written for other models. Touches the entry's last-use time (LRU)."""
+        check_conversation_id(name)
+        try:
+            with self._open(name) as f:
+                meta = self._read_meta(f, name)
+                h = meta.header
+                if not self._ours(h):
+                    raise _Bad("foreign", f"was written for other models (target {h.get('target')}, "
+                                          f"draft {h.get('draft')})")
+                if not 0 <= n_tokens <= h["n_tokens"]:
+                    raise ValueError(f"{name}: asked for {n_tokens} of {h['n_tokens']} cached positions")
+                tensors = {t["name"]: torch.empty(t["shape"], dtype=_DTYPES[t["dtype"]]) for t in h["tensors"]}
+                digest = hashlib.sha256()
+                f.seek(meta.payload_offset)
+                _read_hashed(f, [_bytes_of(t) for t in tensors.values()], digest)
+                if digest.hexdigest() != h["payload_sha256"]:
+                    raise _Bad("corrupt", "payload checksum mismatch")
+                self._touch(f.fileno())
+        except FileNotFoundError:
+            return None                                   # evicted or removed by another process: a miss
+        except _Bad as e:
+            self._discard(name, e, locals().get("meta"))
+            return None
+        part = {k: t[:, :, :n_tokens] for k, t in tensors.items()}
+        return KVState(tokens=meta.tokens[:n_tokens].tolist(), target_k=part["target_k"],
+                       target_v=part["target_v"], draft_k=part.get("draft_k"), draft_v=part.get("draft_v"))
+
+    def _open(self, name: str):
+        """Open an entry for reading without following a symlink (or blocking on a FIFO planted there)."""
+        path = self.dir / f"{name}.kv"
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as e:
+            if e.errno == 40:                             # ELOOP: a symlink
+                raise _Bad("link", "is a symbolic link; refused") from None
+            raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise _Bad("link", "is not a regular file; refused")
+        return os.fdopen(fd, "rb", buffering=0)
+
+    def _read_meta(self, f, name: str) -> _Meta:
+        st = os.fstat(f.fileno())
+        prefix = _read_exact(f, _PREFIX, "header")
+        if prefix[:8] != MAGIC:
+            raise _Bad("corrupt", "is not a jllm KV cache file (bad magic)")
+        version, hlen = int.from_bytes(prefix[8:12], "little"), int.from_bytes(prefix[12:16], "little")
+        if version != FORMAT_VERSION:
+            raise _Bad("version", f"has format version {version}, this jllm reads version {FORMAT_VERSION}")
+        if hlen > _MAX_HEADER:
+            raise _Bad("corrupt", f"header length {hlen} is implausible")
+        raw = _read_exact(f, hlen, "header")
+        try:
+            h = json.loads(raw)
+            n = int(h["n_tokens"])
+        except (ValueError, KeyError, TypeError):
+            raise _Bad("corrupt", "header is unreadable") from None
+        if not 0 <= n <= _MAX_TOKENS:
+            raise _Bad("corrupt", f"header claims {n} tokens")
+        tok = _read_exact(f, 4 * n, "token ids")
+        if hashlib.sha256(raw + tok).digest() != prefix[16:48]:
+            raise _Bad("corrupt", "header checksum mismatch")
+        try:
+            payload = 0
+            for t in h["tensors"]:
+                shape = [int(d) for d in t["shape"]]
+                if t["name"] not in _TENSORS or len(shape) != 4 or shape[2] != n or min(shape) < 0:
+                    raise ValueError
+                payload += int(np.prod(shape)) * _DTYPES[t["dtype"]].itemsize
+            names = [t["name"] for t in h["tensors"]]
+            if names not in (list(_TENSORS[:2]), list(_TENSORS)) or payload != h["payload_bytes"] \
+                    or h["version"] != FORMAT_VERSION:
+                raise ValueError
+        except (ValueError, KeyError, TypeError):
+            raise _Bad("corrupt", "header describes an impossible layout") from None
+        end = _PREFIX + hlen + 4 * n + payload
+        if st.st_size != end:
+            raise _Bad("corrupt", f"is {st.st_size} bytes, its header says {end} (truncated or overwritten)")
+        return _Meta(h, np.frombuffer(tok, dtype="<i4"), st, _PREFIX + hlen + 4 * n)
+
+    def _ours(self, header: dict) -> bool:
+        return header.get("target") == self.target_fingerprint and header.get("draft") == self.draft_fingerprint
+
+    def _discard(self, name: str, bad: _Bad, meta: _Meta | None) -> None:
+        """Report a bad entry once and remove it (unless it was replaced by a new file meanwhile)."""
+        path = self.dir / f"{name}.kv"
+        try:
+            st = meta.st if meta is not None else os.lstat(path)
+        except FileNotFoundError:
+            return
+        key = (st.st_dev, st.st_ino)
+        if key not in self._warned:
+            self._warned.add(key)
+            self.warn(f"KV cache file {path} {bad}; removed it, the prompt is evaluated from scratch")
+        with self._locked():
+            try:
+                now = os.lstat(path)
+                if (now.st_dev, now.st_ino) == key:
+                    path.unlink()
+            except FileNotFoundError:
+                pass
+
+    # -- writing ----------------------------------------------------------------------------------------------
+
+    def save(self, conv_id: str | None, state: KVState) -> str | None:
+        """Write atomically (temp file in the same dir, fsync, rename), then enforce the caps (evict least
+        recently used entries until total bytes <= max_bytes and count <= max_entries; an entry larger than
+        max_bytes alone is not kept). conv_id None names the entry after its tokens. Returns the name, or
+        None if the state was too large to keep."""
+        tokens = np.asarray(state.tokens, dtype=np.int64)
+        name = check_conversation_id(conv_id) if conv_id is not None else \
+            "anon-" + hashlib.sha256(tokens.astype("<i4").tobytes()).hexdigest()[:24]
+        tensors = {"target_k": state.target_k, "target_v": state.target_v}
+        if (state.draft_k is None) != (state.draft_v is None):
+            raise ValueError("KVState: draft_k and draft_v come together")
+        if state.draft_k is not None:
+            tensors.update(draft_k=state.draft_k, draft_v=state.draft_v)
+        n = len(tokens)
+        if n and (tokens.min() < 0 or tokens.max() >= 2**31):
+            raise ValueError("KVState: token ids must fit in int32")
+        for k, t in tensors.items():
+            if t.dim() != 4 or t.shape[2] != n or str(t.dtype).removeprefix("torch.") not in _DTYPES:
+                raise ValueError(f"KVState: {k} is {tuple(t.shape)} {t.dtype}, expected "
+                                 f"[layers, kv_heads, {n}, head_dim] float32/float16/bfloat16")
+        views = [_bytes_of(t) for t in tensors.values()]
+        header = {"version": FORMAT_VERSION, "name": name, "created": time.time(),
+                  "target": self.target_fingerprint, "draft": self.draft_fingerprint, "n_tokens": n,
+                  "tensors": [{"name": k, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+                              for k, t in tensors.items()],
+                  "payload_bytes": sum(len(v) for v in views), "payload_sha256": "0" * 64}
+        tok = tokens.astype("<i4").tobytes()
+        size = _PREFIX + len(json.dumps(header).encode()) + len(tok) + header["payload_bytes"]
+        if size > self.max_bytes:
+            self.warn(f"KV state '{name}' ({size / 2**20:.1f} MiB) is larger than the whole KV cache "
+                      f"({self.max_bytes / 2**20:.1f} MiB); not saved")
+            return None
+        with self._locked():
+            self._remove_temps()
+            tmp = self.dir / f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                with os.fdopen(fd, "wb", buffering=0) as f:
+                    raw = json.dumps(header).encode()          # placeholder checksum, same length
+                    f.write(b"\0" * (_PREFIX + len(raw)) + tok)
+                    digest = hashlib.sha256()
+                    _write_hashed(f, views, digest)
+                    header["payload_sha256"] = digest.hexdigest()
+                    raw = json.dumps(header).encode()
+                    prefix = MAGIC + FORMAT_VERSION.to_bytes(4, "little") + len(raw).to_bytes(4, "little") \
+                        + hashlib.sha256(raw + tok).digest()
+                    os.pwrite(f.fileno(), prefix + raw, 0)
+                    self._touch(f.fileno())
+                    os.fsync(f.fileno())
+                os.replace(tmp, self.dir / f"{name}.kv")
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+            self._evict(keep=name)
+            self._sync_dir()
+        return name
+
+    def _touch(self, fd: int) -> None:
+        now = max(time.time_ns(), self._last_touch + 1)     # distinct, increasing last-use times
+        self._last_touch = now
+        try:
+            os.utime(fd, ns=(now, now))
+        except OSError:
+            pass                                            # read-only cache: LRU order just goes stale
+
+    def _evict(self, keep: str) -> None:
+        """Remove least recently used entries until the caps hold; `keep` (just written, and small enough
+        to fit alone) goes last."""
+        rows = sorted(self._scan(), key=lambda r: (r[0] == keep, r[1].st_mtime_ns))
+        total, count = sum(r[1].st_size for r in rows), len(rows)
+        for name, st in rows:
+            if (total <= self.max_bytes and count <= self.max_entries) or name == keep:
+                break
+            (self.dir / f"{name}.kv").unlink(missing_ok=True)
+            total, count = total - st.st_size, count - 1
+
+    def _remove_temps(self) -> int:
+        """Remove temp files; called with the lock held, when every temp file is a dead writer's."""
+        n = 0
+        for e in os.scandir(self.dir):
+            if e.name.startswith(".") and e.name.endswith(".tmp") and e.is_file(follow_symlinks=False):
+                Path(e.path).unlink(missing_ok=True)
+                n += 1
+        return n
+
+    def _sync_dir(self) -> None:
+        fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        fd = os.open(self.dir / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    # -- listing and housekeeping -----------------------------------------------------------------------------
+
+    def _scan(self) -> list[tuple[str, os.stat_result]]:
+        """(name, lstat) of every regular `.kv` file whose name is a valid id; symlinks are not entries."""
+        rows = []
+        for e in os.scandir(self.dir):
+            if e.name.endswith(".kv") and _ID.fullmatch(e.name[:-3]) and ".." not in e.name[:-3]:
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                if stat.S_ISREG(st.st_mode):
+                    rows.append((e.name[:-3], st))
+        return rows
+
+    def _names(self) -> list[str]:
+        return [name for name, _ in self._scan()]
+
+    def entries(self) -> list[dict]:
+        """name, tokens (count), bytes, last_used, created, target_match, draft_match, problem (or None)."""
+        out = []
+        for name, st in self._scan():
+            row = {"name": name, "tokens": 0, "bytes": st.st_size, "last_used": st.st_mtime_ns / 1e9,
+                   "created": None, "target_match": False, "draft_match": False, "problem": None}
+            try:
+                with self._open(name) as f:
+                    h = self._read_meta(f, name).header
+                row.update(tokens=h["n_tokens"], created=h.get("created"),
+                           target_match=h.get("target") == self.target_fingerprint,
+                           draft_match=h.get("draft") == self.draft_fingerprint)
+            except FileNotFoundError:
+                continue
+            except _Bad as e:
+                row["problem"] = str(e)
+            out.append(row)
+        return out
+
+    def remove(self, conv_id: str) -> bool:
+        path = self.dir / f"{check_conversation_id(conv_id)}.kv"
+        with self._locked():
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                return False
+            self._sync_dir()
+        return True
+
+    def clear(self) -> int:
+        """Remove every entry (of any models) and dead writers' temp files; returns the number of entries."""
+        with self._locked():
+            self._remove_temps()
+            names = [name for name, _ in self._scan()]
+            for name in names:
+                (self.dir / f"{name}.kv").unlink(missing_ok=True)
+            self._sync_dir()
+        return len(names)
+
+    def stats(self) -> dict:
+        rows = self._scan()
+        return {"count": len(rows), "bytes": sum(st.st_size for _, st in rows), "max_bytes": self.max_bytes,
+                "max_entries": self.max_entries, "dir": str(self.dir)}

@@ -1,0 +1,201 @@
+"""Speculative decoding: propose k tokens cheaply, verify them with one batched target pass, keep the longest
+accepted prefix plus one target token, roll both KV caches back to it.
+
+The target's cache holds every token but the newest one (`last`), exactly as in plain decoding. A round:
+    drafts  = proposer(context, k)                       # n-gram lookup and/or the draft model
+    logits  = target.forward([last, d1..dk])             # [k+1, V], one pass (batch-invariant: see linear.py)
+    n, nxt  = verify(drafts, logits)                     # rejection.py: accepted, then recovered/bonus token
+    cache.truncate(before + 1 + n)                       # rollback moves a length, never copies
+    emit d1..dn, nxt;  last = nxt
+Greedy output is identical to plain decoding because the target's logits at every position are bitwise the
+ones plain decoding computes. Sampled output follows the target's distribution exactly (rejection.py).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from jllm.engine import common_prefix
+from jllm.model.transformer import Transformer
+from jllm.sampling import SamplingParams, apply_repeat_penalty, probs
+from jllm.spec.ngram import NgramProposer
+from jllm.spec.rejection import draw, verify_greedy, verify_sampled
+
+MODES = ("auto", "draft", "ngram", "draft+ngram", "none")
+
+
+@dataclass
+class SpecConfig:
+    mode: str = "auto"          # auto: draft+ngram with a draft model, ngram without
+    draft_max: int = 8          # most tokens proposed per round
+    draft_min: int = 1          # fewest tokens a round may propose (adaptive k stays within [min, max])
+    p_min: float = 0.6          # the draft model stops drafting when its top probability falls below this
+    ngram_min_match: int = 2    # n-gram proposals need a suffix match at least this long to be used
+
+
+@dataclass
+class SpecStats:
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    by_proposer: dict = field(default_factory=lambda: {"ngram": [0, 0, 0], "draft": [0, 0, 0]})  # rounds, drafted, accepted
+    accept_hist: dict = field(default_factory=dict)      # accepted length -> rounds
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+    def record(self, proposer: str, drafted: int, accepted: int) -> None:
+        self.rounds += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        row = self.by_proposer[proposer]
+        row[0] += 1
+        row[1] += drafted
+        row[2] += accepted
+        self.accept_hist[accepted] = self.accept_hist.get(accepted, 0) + 1
+
+    def as_dict(self) -> dict:
+        return {
+            "rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted,
+            "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else 0.0,
+            "mean_accepted_per_verify": round(self.accepted / self.rounds, 3) if self.rounds else 0.0,
+            "tokens_per_verify": round((self.accepted + self.rounds) / self.rounds, 3) if self.rounds else 0.0,
+            "accept_histogram": dict(sorted(self.accept_hist.items())),
+            "by_proposer": {k: {"rounds": v[0], "drafted": v[1], "accepted": v[2]} for k, v in self.by_proposer.items()},
+            "draft_ms": round(self.draft_s * 1000, 1), "verify_ms": round(self.verify_s * 1000, 1),
+        }
+
+
+class DraftRunner:
+    """The draft model with its own KV cache, kept equal to a prefix of the target's context."""
+
+    def __init__(self, model: Transformer, ctx_size: int):
+        self.model = model
+        self.cache = model.new_cache(ctx_size)
+        self.ids: list[int] = []
+        self.device = model.device
+
+    def _sync(self, context: list[int]) -> torch.Tensor:
+        """Make the cache hold `context`; returns the logits after its last token."""
+        keep = min(common_prefix(self.ids, context), len(context) - 1)
+        self.cache.truncate(keep)
+        self.ids = self.ids[:keep]
+        new = context[keep:]
+        logits = None
+        for s in range(0, len(new), 256):
+            chunk = new[s:s + 256]
+            logits = self.model.forward(torch.tensor(chunk, device=self.device), self.cache, last_only=True)
+            self.ids.extend(chunk)
+        return logits[-1]
+
+    def propose(self, context: list[int], k: int, p_min: float, params: SamplingParams,
+                gen: torch.Generator | None) -> tuple[list[int], torch.Tensor | None]:
+        """Up to k tokens; with sampling also their distributions q [n, V]. Stops early when unsure."""
+        logits = self._sync(context)
+        drafts, qs = [], []
+        for i in range(k):
+            if params.greedy:
+                pr = torch.softmax(logits.float(), -1)
+                top_p, tok = pr.max(-1)
+                if i > 0 and top_p.item() < p_min:
+                    break
+                tok = int(tok)
+            else:
+                q = probs(logits, params, context + drafts)
+                tok = int(draw(q[None], gen)[0])
+                if i > 0 and q[tok].item() < p_min * 0.5:
+                    break
+                qs.append(q)
+            drafts.append(tok)
+            if i + 1 < k:
+                logits = self.model.forward(torch.tensor([tok], device=self.device), self.cache)[-1]
+                self.ids.append(tok)
+        return drafts, (torch.stack(qs) if qs else None)
+
+
+class SpeculativeDecoder:
+    """A token source for Engine.stream: yields target tokens, several per target pass."""
+
+    def __init__(self, engine, draft: DraftRunner | None, cfg: SpecConfig):
+        self.engine, self.draft, self.cfg = engine, draft, cfg
+        mode = cfg.mode if cfg.mode != "auto" else ("draft+ngram" if draft is not None else "ngram")
+        self.use_draft = draft is not None and mode in ("draft", "draft+ngram")
+        self.use_ngram = mode in ("ngram", "draft+ngram")
+        self.ngram = NgramProposer(max_ngram=4, min_ngram=1)
+        self.stats = SpecStats()
+        self.k = cfg.draft_max
+
+    def _propose(self, context: list[int], k: int, params: SamplingParams, gen) -> tuple[str, list[int], object]:
+        t0 = time.perf_counter()
+        try:
+            if self.use_ngram:
+                d = self.ngram.propose(k)
+                if d and (self.ngram.last_match_len >= self.cfg.ngram_min_match or not self.use_draft):
+                    return "ngram", d, None
+            if self.use_draft:
+                d, q = self.draft.propose(context, k, self.cfg.p_min, params, gen)
+                return "draft", d, q
+            return "ngram", [], None
+        finally:
+            self.stats.draft_s += time.perf_counter() - t0
+
+    def tokens(self, logits: torch.Tensor, params: SamplingParams, budget: int) -> Iterator[int]:
+        eng, cfg = self.engine, self.cfg
+        gen = torch.Generator().manual_seed(params.seed if params.seed is not None else torch.seed())
+        history = list(eng.cached_ids)
+        self.ngram.reset(history)
+        last = _sample(logits, params, history, gen)
+        emitted = 0
+        while True:
+            history.append(last)
+            self.ngram.append(last)
+            yield last
+            emitted += 1
+            if emitted >= budget or last in eng.tokenizer.eot_ids:
+                return
+            room = min(budget - emitted - 1, eng.ctx_size - eng.cache.length - 2)
+            k = max(0, min(self.k, room))
+            kind, drafts, q = self._propose(history, k, params, gen) if k else ("ngram", [], None)
+            t0 = time.perf_counter()
+            before = eng.cache.length
+            block = torch.tensor([last] + drafts, device=eng.device)
+            out = eng.model.forward(block, eng.cache)                                    # [k+1, V]
+            if params.greedy:
+                argmax = [int(torch.argmax(apply_repeat_penalty(out[i].float(), history + drafts[:i],
+                                                                params.repeat_penalty, params.repeat_last_n)))
+                          for i in range(len(drafts) + 1)]
+                n, nxt = verify_greedy(drafts, argmax)
+            else:
+                p = torch.stack([probs(out[i], params, history + drafts[:i]) for i in range(len(drafts) + 1)])
+                n, nxt = verify_sampled(drafts, q if kind == "draft" else None, p, gen)
+            eng.cache.truncate(before + 1 + n)
+            eng.cached_ids = eng.cached_ids[:before] + [last] + drafts[:n]
+            self.stats.verify_s += time.perf_counter() - t0
+            if drafts:
+                self.stats.record(kind, len(drafts), n)
+                self._adapt(len(drafts), n)
+            for tok in drafts[:n]:
+                history.append(tok)
+                self.ngram.append(tok)
+                yield tok
+                emitted += 1
+                if tok in eng.tokenizer.eot_ids:
+                    return
+            last = nxt
+
+    def _adapt(self, drafted: int, accepted: int) -> None:
+        """Grow k after a fully accepted round, shrink it after a poor one."""
+        if accepted == drafted:
+            self.k = min(self.cfg.draft_max, self.k + 1)
+        elif accepted < drafted // 2:
+            self.k = max(self.cfg.draft_min, self.k - 1)
+
+
+def _sample(logits: torch.Tensor, params: SamplingParams, history: list[int], gen: torch.Generator) -> int:
+    if params.greedy:
+        return int(torch.argmax(apply_repeat_penalty(logits.float(), history, params.repeat_penalty,
+                                                     params.repeat_last_n)))
+    return int(draw(probs(logits, params, history)[None], gen)[0])
