@@ -34,6 +34,7 @@ least recently used `.kv` files until their total size is <= max_bytes and their
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -167,7 +168,7 @@ def _read_hashed(f, views: list[memoryview], h) -> None:
                 while got < len(chunk):
                     n = f.readinto(chunk[got:])
                     if not n:
-                        raise _Bad("corrupt", "truncated payload")
+                        raise _Bad("corrupt", "is truncated (in the payload)")
                     got += n
                 if pending is not None:
                     pending.result()
@@ -180,7 +181,7 @@ def _read_hashed(f, views: list[memoryview], h) -> None:
 def _read_exact(f, n: int, what: str) -> bytes:
     data = f.read(n)
     if len(data) != n:
-        raise _Bad("corrupt", f"truncated {what}")
+        raise _Bad("corrupt", f"is truncated (in the {what})")
     return data
 
 
@@ -230,7 +231,7 @@ class KVStore:
         """Common prefix of `want` with the entry's tokens; 0 if missing, foreign or bad."""
         try:
             with self._open(name) as f:
-                meta = self._read_meta(f, name)
+                meta = self._read_meta(f)
         except FileNotFoundError:
             return 0
         except _Bad as e:
@@ -248,9 +249,10 @@ class KVStore:
         warning line naming the file and the problem, and removing the file) if it is corrupt, truncated,
         of another format version, or written for other models. Touches the entry's last-use time (LRU)."""
         check_conversation_id(name)
+        meta = None
         try:
             with self._open(name) as f:
-                meta = self._read_meta(f, name)
+                meta = self._read_meta(f)
                 h = meta.header
                 if not self._ours(h):
                     raise _Bad("foreign", f"was written for other models (target {h.get('target')}, "
@@ -262,12 +264,12 @@ class KVStore:
                 f.seek(meta.payload_offset)
                 _read_hashed(f, [_bytes_of(t) for t in tensors.values()], digest)
                 if digest.hexdigest() != h["payload_sha256"]:
-                    raise _Bad("corrupt", "payload checksum mismatch")
+                    raise _Bad("corrupt", "fails its payload checksum")
                 self._touch(f.fileno())
         except FileNotFoundError:
             return None                                   # evicted or removed by another process: a miss
         except _Bad as e:
-            self._discard(name, e, locals().get("meta"))
+            self._discard(name, e, meta)
             return None
         part = {k: t[:, :, :n_tokens] for k, t in tensors.items()}
         return KVState(tokens=meta.tokens[:n_tokens].tolist(), target_k=part["target_k"],
@@ -279,7 +281,7 @@ class KVStore:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as e:
-            if e.errno == 40:                             # ELOOP: a symlink
+            if e.errno == errno.ELOOP:
                 raise _Bad("link", "is a symbolic link; refused") from None
             raise
         if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -287,7 +289,7 @@ class KVStore:
             raise _Bad("link", "is not a regular file; refused")
         return os.fdopen(fd, "rb", buffering=0)
 
-    def _read_meta(self, f, name: str) -> _Meta:
+    def _read_meta(self, f) -> _Meta:
         st = os.fstat(f.fileno())
         prefix = _read_exact(f, _PREFIX, "header")
         if prefix[:8] != MAGIC:
@@ -296,18 +298,18 @@ class KVStore:
         if version != FORMAT_VERSION:
             raise _Bad("version", f"has format version {version}, this jllm reads version {FORMAT_VERSION}")
         if hlen > _MAX_HEADER:
-            raise _Bad("corrupt", f"header length {hlen} is implausible")
+            raise _Bad("corrupt", f"has an implausible header length {hlen}")
         raw = _read_exact(f, hlen, "header")
         try:
             h = json.loads(raw)
             n = int(h["n_tokens"])
         except (ValueError, KeyError, TypeError):
-            raise _Bad("corrupt", "header is unreadable") from None
+            raise _Bad("corrupt", "has an unreadable header") from None
         if not 0 <= n <= _MAX_TOKENS:
-            raise _Bad("corrupt", f"header claims {n} tokens")
+            raise _Bad("corrupt", f"has an implausible token count {n}")
         tok = _read_exact(f, 4 * n, "token ids")
         if hashlib.sha256(raw + tok).digest() != prefix[16:48]:
-            raise _Bad("corrupt", "header checksum mismatch")
+            raise _Bad("corrupt", "fails its header checksum")
         try:
             payload = 0
             for t in h["tensors"]:
@@ -320,7 +322,7 @@ class KVStore:
                     or h["version"] != FORMAT_VERSION:
                 raise ValueError
         except (ValueError, KeyError, TypeError):
-            raise _Bad("corrupt", "header describes an impossible layout") from None
+            raise _Bad("corrupt", "has a header describing an impossible layout") from None
         end = _PREFIX + hlen + 4 * n + payload
         if st.st_size != end:
             raise _Bad("corrupt", f"is {st.st_size} bytes, its header says {end} (truncated or overwritten)")
@@ -477,7 +479,7 @@ class KVStore:
                    "created": None, "target_match": False, "draft_match": False, "problem": None}
             try:
                 with self._open(name) as f:
-                    h = self._read_meta(f, name).header
+                    h = self._read_meta(f).header
                 row.update(tokens=h["n_tokens"], created=h.get("created"),
                            target_match=h.get("target") == self.target_fingerprint,
                            draft_match=h.get("draft") == self.draft_fingerprint)

@@ -1,0 +1,115 @@
+"""Speculative decoding end to end on tiny synthetic models: greedy output identical to plain decoding for
+every proposer (a good draft, a bad draft, n-gram), caches rolled back exactly, sampled output distributed as
+the target's (chi-square against the exact joint distribution), and the tokenizer gate."""
+
+import math
+
+import pytest
+import torch
+
+from jllm.engine import Engine
+from jllm.errors import JllmError
+from jllm.sampling import SamplingParams, probs
+from jllm.spec.decode import SpecConfig, SpeculativeDecoder
+from synthetic import write_tiny_model
+
+PROMPT = "the cat sat on the mat and the cat sat on the"
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    d = tmp_path_factory.mktemp("spec")
+    out = {}
+    for name, arch, seed in (("target", "qwen2", 1), ("other", "qwen2", 2), ("llama", "llama", 1)):
+        out[name] = str(d / f"{name}.gguf")
+        write_tiny_model(out[name], arch, seed=seed)
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _converted_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("JLLM_CONVERTED_DIR", str(tmp_path / "converted"))
+
+
+def engine(path, draft=None, mode="none", **kw):
+    return Engine(path, ctx_size=256, threads=1, draft_path=draft, spec=SpecConfig(mode=mode, **kw))
+
+
+@pytest.mark.parametrize("draft_name,mode", [(None, "ngram"), ("target", "draft"), ("other", "draft"),
+                                             ("other", "draft+ngram")])
+def test_greedy_output_identical_to_plain(paths, draft_name, mode):
+    plain = engine(paths["target"])
+    p = SamplingParams(max_tokens=40)
+    ref = plain.generate(PROMPT, p)
+    spec = engine(paths["target"], paths[draft_name] if draft_name else None, mode=mode)
+    out = spec.generate(PROMPT, p)
+    assert out.token_ids == ref.token_ids
+    st = spec.spec_stats.as_dict()
+    assert st["rounds"] > 0
+    if draft_name == "target":                 # the draft is the target itself: everything is accepted
+        assert st["acceptance_rate"] == 1.0 and st["tokens_per_verify"] > 2
+    # the cache ends exactly where plain decoding's does
+    assert spec.cached_ids == plain.cached_ids
+    n = plain.cache.length
+    assert spec.cache.length == n
+    assert torch.equal(spec.cache.k[:, :, :n], plain.cache.k[:, :, :n])
+
+
+def test_always_wrong_draft_is_still_exact(paths, monkeypatch):
+    eng = engine(paths["target"], mode="ngram", draft_max=4)
+    ref = engine(paths["target"]).generate(PROMPT, SamplingParams(max_tokens=30)).token_ids
+    vocab = eng.model.cfg.vocab_size
+
+    def wrong(self, context, k, params, gen):
+        return "ngram", [(context[-1] + 7 + i) % vocab for i in range(k)], None
+
+    monkeypatch.setattr(SpeculativeDecoder, "_propose", wrong)
+    out = eng.generate(PROMPT, SamplingParams(max_tokens=30))
+    assert out.token_ids == ref
+    assert eng.spec_stats.accepted < eng.spec_stats.drafted
+
+
+def test_stops_on_budget_and_end_of_turn(paths):
+    eng = engine(paths["target"], paths["target"], mode="draft")
+    out = eng.generate(PROMPT, SamplingParams(max_tokens=7))
+    assert len(out.token_ids) == 7
+    assert out.finish_reason == "length"
+
+
+def test_sampled_distribution_matches_target(paths):
+    """Joint distribution of the first two sampled tokens (top-k 3, so 9 outcomes) under speculative
+    sampling with a different draft model, against the exact p(t1) p(t2 | t1) from the target."""
+    params = SamplingParams(temperature=1.0, top_k=3, max_tokens=2)
+    target = engine(paths["target"])
+    ids = target.encode(PROMPT)
+    logits, _ = target.prefill(ids)
+    p1 = probs(logits, params, ids)
+    exact = {}
+    for t1 in torch.nonzero(p1).flatten().tolist():
+        target.cache.truncate(len(ids))
+        target.cached_ids = list(ids)
+        p2 = probs(target.step(t1), params, ids + [t1])
+        for t2 in torch.nonzero(p2).flatten().tolist():
+            exact[(t1, t2)] = p1[t1].item() * p2[t2].item()
+    spec = engine(paths["target"], paths["other"], mode="draft", draft_max=1, p_min=0.0)
+    n = 1500
+    counts = dict.fromkeys(exact, 0)
+    drafted = 0
+    for seed in range(n):
+        spec.cache.truncate(0)
+        spec.cached_ids = []
+        # 3 tokens: t1 from the prefill, t2 drafted and verified (accepted or recovered), t3 a by-product
+        out = spec.generate(ids, SamplingParams(temperature=1.0, top_k=3, max_tokens=3, seed=seed)).token_ids
+        assert tuple(out[:2]) in counts, f"sampled {out}, impossible under the target"
+        counts[tuple(out[:2])] += 1
+        drafted += spec.spec_stats.drafted
+    chi2 = sum((counts[o] - n * pr) ** 2 / (n * pr) for o, pr in exact.items())
+    dof = len(exact) - 1
+    critical = {8: 26.12, 7: 24.32, 6: 22.46, 5: 20.52, 4: 18.47}.get(dof, dof + 5 * math.sqrt(2 * dof))
+    assert chi2 < critical, f"chi2 {chi2:.1f} >= {critical} (dof {dof}): {counts} vs {exact}"
+    assert drafted == n                       # every run verified one drafted token
+
+
+def test_tokenizer_gate_refuses_cross_family_draft(paths):
+    with pytest.raises(JllmError, match="tokenizers differ"):
+        engine(paths["target"], paths["llama"], mode="draft")
