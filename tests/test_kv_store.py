@@ -179,11 +179,29 @@ def test_entry_cap_and_restart_keep_last_use_order(tmp_path):
     assert sorted(e["name"] for e in later.entries()) == ["a", "d", "e"]
 
 
+def test_cap_holds_before_the_new_file_is_renamed_in(tmp_path, monkeypatch):
+    state = make_state(list(range(20)))
+    cap = 2 * entry_size(state, "e0") + 50
+    store = KVStore(tmp_path, max_bytes=cap, target_fingerprint="T")
+    store.save("e0", state)
+    store.save("e1", state)
+
+    def crash(src, dst):                       # the writer dies after writing its temp file
+        raise KeyboardInterrupt
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(KeyboardInterrupt):
+        store.save("e2", state)
+    assert [e["name"] for e in store.entries()] == ["e1"]          # room was made first
+    with pytest.raises(KeyboardInterrupt):
+        store.save("e1", make_state(list(range(25))))              # replacing: room for the larger of both
+    assert sorted(os.listdir(tmp_path)) == [".lock", "e1.kv"] and store.stats()["bytes"] <= cap
+
+
 def test_foreign_entries_count_toward_the_cap(tmp_path):
     state = make_state(list(range(20)))
     size = entry_size(state)
     KVStore(tmp_path, target_fingerprint="other").save("theirs", state)
-    mine = KVStore(tmp_path, max_bytes=2 * size, target_fingerprint="T")
+    mine = KVStore(tmp_path, max_bytes=2 * size + 100, target_fingerprint="T")  # 100: longer names
     mine.save("m1", state)
     mine.save("m2", state)
     assert sorted(e["name"] for e in mine.entries()) == ["m1", "m2"]

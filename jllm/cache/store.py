@@ -28,8 +28,10 @@ entries of other models without removing them, since another process with other 
 
 Writers (save and its eviction, remove, clear) hold `flock(<dir>/.lock)`, so every temp file seen while
 holding the lock belongs to a writer that died, and is removed. Readers take no lock: an entry that vanishes
-while being read is a miss. Last use is the file's mtime (set on save and load); eviction removes the
-least recently used `.kv` files until their total size is <= max_bytes and their count <= max_entries.
+while being read is a miss. Last use is the file's mtime (set on save and load). Before a new file is
+written, eviction removes the least recently used `.kv` files (of any models) until, counting the new one,
+their total size is <= max_bytes and their count <= max_entries; so the caps hold at every moment, even
+when a writer is killed half-way.
 """
 
 from __future__ import annotations
@@ -353,10 +355,10 @@ class KVStore:
     # -- writing ----------------------------------------------------------------------------------------------
 
     def save(self, conv_id: str | None, state: KVState) -> str | None:
-        """Write atomically (temp file in the same dir, fsync, rename), then enforce the caps (evict least
-        recently used entries until total bytes <= max_bytes and count <= max_entries; an entry larger than
-        max_bytes alone is not kept). conv_id None names the entry after its tokens. Returns the name, or
-        None if the state was too large to keep."""
+        """Enforce the caps counting the new entry (evict least recently used entries until total bytes
+        <= max_bytes and count <= max_entries; an entry larger than max_bytes alone is not kept), then write
+        atomically (temp file in the same dir, fsync, rename, fsync the dir). conv_id None names the entry
+        after its tokens. Returns the name, or None if the state was too large to keep."""
         tokens = np.asarray(state.tokens, dtype=np.int64)
         name = check_conversation_id(conv_id) if conv_id is not None else \
             "anon-" + hashlib.sha256(tokens.astype("<i4").tobytes()).hexdigest()[:24]
@@ -386,6 +388,7 @@ class KVStore:
             return None
         with self._locked():
             self._remove_temps()
+            self._evict(name, size)
             tmp = self.dir / f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             try:
@@ -405,7 +408,6 @@ class KVStore:
             except BaseException:
                 tmp.unlink(missing_ok=True)
                 raise
-            self._evict(keep=name)
             self._sync_dir()
         return name
 
@@ -417,16 +419,21 @@ class KVStore:
         except OSError:
             pass                                            # read-only cache: LRU order just goes stale
 
-    def _evict(self, keep: str) -> None:
-        """Remove least recently used entries until the caps hold; `keep` (just written, and small enough
-        to fit alone) goes last."""
-        rows = sorted(self._scan(), key=lambda r: (r[0] == keep, r[1].st_mtime_ns))
-        total, count = sum(r[1].st_size for r in rows), len(rows)
-        for name, st in rows:
-            if (total <= self.max_bytes and count <= self.max_entries) or name == keep:
+    def _evict(self, name: str, size: int) -> None:
+        """Make room for `size` bytes under `name` before they are written: remove least recently used
+        entries until the caps hold with the new entry in place and also with the old one (which the new
+        replaces, or which stays if the write fails). So the caps hold at every moment, crashes included."""
+        rows = sorted(self._scan(), key=lambda r: r[1].st_mtime_ns)
+        old = sum(st.st_size for n, st in rows if n == name)
+        rows = [(n, st) for n, st in rows if n != name]
+        total, count = sum(st.st_size for _, st in rows) + max(old, size), len(rows) + 1
+        for victim, st in rows:
+            if total <= self.max_bytes and count <= self.max_entries:
                 break
-            (self.dir / f"{name}.kv").unlink(missing_ok=True)
+            (self.dir / f"{victim}.kv").unlink(missing_ok=True)
             total, count = total - st.st_size, count - 1
+        if total > self.max_bytes:                          # the old entry alone is over a lowered cap
+            (self.dir / f"{name}.kv").unlink(missing_ok=True)
 
     def _remove_temps(self) -> int:
         """Remove temp files; called with the lock held, when every temp file is a dead writer's."""
