@@ -305,6 +305,10 @@ def cmd_inspect(a: argparse.Namespace) -> int:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
+    if a.spec_corpus:
+        from jllm.spec import bench as spec_bench
+
+        return spec_bench.run(a)
     from jllm.bench import run_bench
 
     return run_bench(a)
@@ -363,6 +367,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run llama.cpp's llama-bench from BIN_DIR on the same file, side by side")
     b.add_argument("--perplexity", default=None, metavar="FILE", help="measure perplexity on FILE instead")
     b.add_argument("--ppl-tokens", type=int, default=1024, help="tokens of FILE for --perplexity")
+    b.add_argument("--spec", dest="spec_corpus", action="store_true",
+                   help="speculative decoding on the prompt corpus: plain vs speculative, per category")
+    b.add_argument("-md", "--draft-model", default=None, help="draft model for --spec")
+    b.add_argument("--spec-mode", default=None, choices=["auto", "draft", "ngram", "draft+ngram"])
+    b.add_argument("--draft-max", type=int, default=8)
+    b.add_argument("--draft-min", type=int, default=1)
+    b.add_argument("--draft-p-min", type=float, default=0.6)
+    b.add_argument("-n", "--n-predict", type=int, default=128, help="tokens per prompt for --spec")
+    b.add_argument("--limit", type=int, default=None, help="only the first N corpus prompts")
     b.set_defaults(func=cmd_bench)
     return ap
 

@@ -88,10 +88,10 @@ class Engine:
         self.ctx_size = ctx_size
         self.cache = self.model.new_cache(ctx_size)
         self.cached_ids: list[int] = []
+        self.spec = spec if spec is not None and spec.mode != "none" else None
         self.draft = None
         if draft_path is not None:
-            self._load_draft(draft_path)
-        self.spec = spec if spec is not None and spec.mode != "none" else None
+            self._load_draft(draft_path, spec)
         self.spec_stats: dict | None = None
         self.kv_store = None
         if kv_store_dir is not None:
@@ -102,13 +102,16 @@ class Engine:
         self._saving: threading.Thread | None = None
         self.load_ms = (time.perf_counter() - t0) * 1000
 
-    def _load_draft(self, draft_path: str) -> None:
+    def _load_draft(self, draft_path: str, spec) -> None:
         from jllm.spec.compat import check_compatible
-        from jllm.spec.decode import DraftRunner
+        from jllm.spec.decode import DraftRunner, SpecConfig
 
+        spec = spec or SpecConfig()
         dg = read_gguf(draft_path)
         check_compatible(self.gguf.metadata, dg.metadata, self.gguf.path.name, dg.path.name)
-        draft_model = load_model(dg, self.device, self.precision, max_positions=self.ctx_size)
+        precision = spec.draft_precision if self.device.type == "cpu" else self.precision
+        draft_model = load_model(dg, self.device, precision, max_positions=self.ctx_size,
+                                 output_rows=spec.draft_vocab or None)
         self.draft = DraftRunner(draft_model, self.ctx_size)
 
     # -- prompts ----------------------------------------------------------------------------------------------
@@ -205,6 +208,8 @@ class Engine:
         timings = timings if timings is not None else Timings()
         t0 = time.perf_counter()
         logits, evaluated = self.prefill(prompt_ids, conv_id, timings)
+        if self.spec is not None and self.draft is not None:
+            self.draft.sync(prompt_ids)        # the draft's prompt prefill belongs to prompt time, not decode
         timings.prompt_eval_ms = (time.perf_counter() - t0) * 1000 - timings.hydrate_ms
         timings.prompt_tokens_evaluated = evaluated
         timings.cached_tokens = len(prompt_ids) - evaluated

@@ -59,7 +59,8 @@ def apply_repeat_penalty(logits: torch.Tensor, history: list[int], penalty: floa
     if penalty == 1.0 or not history or last_n == 0:
         return logits
     recent = history[-last_n:] if last_n > 0 else history
-    ids = torch.tensor(sorted(set(recent)), dtype=torch.long, device=logits.device)
+    v = logits.shape[-1]                     # a draft's logits may cover only a vocabulary prefix
+    ids = torch.tensor(sorted(i for i in set(recent) if i < v), dtype=torch.long, device=logits.device)
     vals = logits[ids]
     logits = logits.clone()
     logits[ids] = torch.where(vals > 0, vals / penalty, vals * penalty)

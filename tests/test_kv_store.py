@@ -78,8 +78,7 @@ def test_round_trip_is_bitwise(tmp_path, warns, draft):
     assert_same(store.load("conv-1", 50), state, 50)
     assert_same(store.load("conv-1", 17), state, 17)               # first n positions
     assert_same(store.load("conv-1", 0), state, 0)
-    with pytest.raises(ValueError):
-        store.load("conv-1", 51)
+    assert store.load("conv-1", 51) is None                        # replaced by a shorter state: a miss
     assert warns == []
 
 
@@ -268,6 +267,17 @@ def test_foreign_file_skipped_by_lookup_refused_by_load(tmp_path, warns):
     assert not rows["c"]["target_match"] and rows["d"]["target_match"] and not rows["d"]["draft_match"]
     assert store.load("c", 10) is None
     assert len(warns) == 1 and "other models" in warns[0] and not (tmp_path / "c.kv").exists()
+
+
+def test_directory_or_fifo_named_like_an_entry_is_ignored(store, warns):
+    (store.dir / "d.kv").mkdir()
+    os.mkfifo(store.dir / "f.kv")
+    assert store.lookup([1], None) == (None, 0) and store.entries() == []
+    assert store.load("d", 1) is None and store.load("f", 1) is None        # without blocking on the fifo
+    assert len(warns) == 2 and (store.dir / "d.kv").is_dir() and not (store.dir / "f.kv").exists()
+    with pytest.raises(OSError):                                             # the engine reports and goes on
+        store.save("d", make_state([1]))
+    assert store.clear() == 0 and sorted(os.listdir(store.dir)) == [".lock", "d.kv"]
 
 
 def test_file_vanishing_is_a_quiet_miss(store, warns):

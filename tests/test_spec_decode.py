@@ -55,6 +55,19 @@ def test_greedy_output_identical_to_plain(paths, draft_name, mode):
     assert torch.equal(spec.cache.k[:, :, :n], plain.cache.k[:, :, :n])
 
 
+def test_draft_vocabulary_subset_stays_exact(paths):
+    """FR-Spec: the draft scores only ids < 200 of 300; greedy output is still the target's, sampling works."""
+    p = SamplingParams(max_tokens=30)
+    ref = engine(paths["target"]).generate(PROMPT, p).token_ids
+    eng = engine(paths["target"], paths["target"], mode="draft", draft_vocab=200)
+    assert eng.draft.model.w.output.out_features == 200
+    assert eng.generate(PROMPT, p).token_ids == ref
+    eng.cache.truncate(0)
+    eng.cached_ids = []
+    out = eng.generate(PROMPT, SamplingParams(max_tokens=20, temperature=1.0, seed=3))
+    assert len(out.token_ids) == 20
+
+
 def test_always_wrong_draft_is_still_exact(paths, monkeypatch):
     eng = engine(paths["target"], mode="ngram", draft_max=4)
     ref = engine(paths["target"]).generate(PROMPT, SamplingParams(max_tokens=30)).token_ids

@@ -10,7 +10,7 @@ tokens>.kv` for a prompt without one. All integers little-endian:
     12      4     u32 H, the header's length in bytes
     16      32    sha256 of the header bytes followed by the token bytes (the "meta digest")
     48      H     header, UTF-8 JSON:
-                    {"version": 1, "name": str, "created": unix time,
+                    {"version": 1, "name": str, "created": unix time (s),
                      "target": fingerprint of the target model, "draft": the draft's or null,
                      "n_tokens": n,
                      "tensors": [{"name": "target_k", "dtype": "float32", "shape": [L, Hkv, n, D]},
@@ -234,7 +234,7 @@ class KVStore:
         try:
             with self._open(name) as f:
                 meta = self._read_meta(f)
-        except FileNotFoundError:
+        except OSError:                                   # vanished or unreadable: a miss
             return 0
         except _Bad as e:
             if e.kind != "link":
@@ -259,8 +259,10 @@ class KVStore:
                 if not self._ours(h):
                     raise _Bad("foreign", f"was written for other models (target {h.get('target')}, "
                                           f"draft {h.get('draft')})")
-                if not 0 <= n_tokens <= h["n_tokens"]:
-                    raise ValueError(f"{name}: asked for {n_tokens} of {h['n_tokens']} cached positions")
+                if n_tokens < 0:
+                    raise ValueError(f"{name}: asked for {n_tokens} positions")
+                if n_tokens > h["n_tokens"]:
+                    return None                           # replaced by a shorter state since lookup: a miss
                 tensors = {t["name"]: torch.empty(t["shape"], dtype=_DTYPES[t["dtype"]]) for t in h["tensors"]}
                 digest = hashlib.sha256()
                 f.seek(meta.payload_offset)
@@ -272,6 +274,10 @@ class KVStore:
             return None                                   # evicted or removed by another process: a miss
         except _Bad as e:
             self._discard(name, e, meta)
+            return None
+        except OSError as e:                              # unreadable (permissions, I/O error): not ours to remove
+            self.warn(f"cannot read KV cache file {self.dir / (name + '.kv')}: {e.strerror}; "
+                      f"the prompt is evaluated from scratch")
             return None
         part = {k: t[:, :, :n_tokens] for k, t in tensors.items()}
         return KVState(tokens=meta.tokens[:n_tokens].tolist(), target_k=part["target_k"],
@@ -347,10 +353,10 @@ class KVStore:
         with self._locked():
             try:
                 now = os.lstat(path)
-                if (now.st_dev, now.st_ino) == key:
+                if (now.st_dev, now.st_ino) == key and not stat.S_ISDIR(now.st_mode):
                     path.unlink()
-            except FileNotFoundError:
-                pass
+            except OSError:
+                pass                                      # gone already, or not ours to remove
 
     # -- writing ----------------------------------------------------------------------------------------------
 
@@ -375,7 +381,7 @@ class KVStore:
                 raise ValueError(f"KVState: {k} is {tuple(t.shape)} {t.dtype}, expected "
                                  f"[layers, kv_heads, {n}, head_dim] float32/float16/bfloat16")
         views = [_bytes_of(t) for t in tensors.values()]
-        header = {"version": FORMAT_VERSION, "name": name, "created": time.time(),
+        header = {"version": FORMAT_VERSION, "name": name, "created": int(time.time()),
                   "target": self.target_fingerprint, "draft": self.draft_fingerprint, "n_tokens": n,
                   "tensors": [{"name": k, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
                               for k, t in tensors.items()],

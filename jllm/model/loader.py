@@ -31,12 +31,13 @@ def default_precision(device: torch.device) -> str:
 
 def load_model(path: str | os.PathLike | GGUFFile, device: str | torch.device | None = "cpu",
                precision: str | None = None, max_positions: int | None = None,
-               cache_weights: bool = True) -> Transformer:
-    """cache_weights: keep converted int8 matrices on disk so the next load of this file is fast."""
+               cache_weights: bool = True, output_rows: int | None = None) -> Transformer:
+    """cache_weights: keep converted int8 matrices on disk so the next load of this file is fast.
+    output_rows: compute logits only for token ids below this (a draft model's frequent-token subset)."""
     gguf = path if isinstance(path, GGUFFile) else read_gguf(path)
     cfg = config_from_gguf(gguf.metadata, set(gguf.tensors), source=str(gguf.path))
     dev = resolve_device(device)
-    weights = load_weights(gguf, cfg, precision or default_precision(dev), dev, cache_weights)
+    weights = load_weights(gguf, cfg, precision or default_precision(dev), dev, cache_weights, output_rows)
     model = Transformer(cfg, weights, dev, max_positions or cfg.context_length)
     model.gguf = gguf
     return model

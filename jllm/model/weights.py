@@ -128,12 +128,18 @@ class _Builder:
             chunk = table[r:r + _ROWS_PER_CHUNK]
             yield self._dequantize(name, chunk, (chunk.shape[0], cols))
 
-    def _int8_matrix(self, names: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The row-wise concatenation of the named matrices as int8 [N, K] with per-row scales [N]."""
-        key = "+".join(names)
+    def _int8_matrix(self, names: list[str], max_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The row-wise concatenation of the named matrices as int8 [N, K] with per-row scales [N]
+        (of a single matrix, only its first max_rows rows when given)."""
+        key = "+".join(names) + (f"[:{max_rows}]" if max_rows else "")
         if self.reader is not None and key + ":q" in self.reader.tensors:
             return self.reader.get(key + ":q"), self.reader.get(key + ":scale")
         infos = [self._matrix_info(n) for n in names]
+        if max_rows:
+            info = infos[0]
+            row_bytes = info.nbytes // info.shape[0]
+            max_rows = min(max_rows, info.shape[0])
+            infos = [type(info)(info.name, (max_rows, info.shape[1]), info.ggml_type, info.offset, max_rows * row_bytes)]
         cols = infos[0].shape[1]
         n_rows = sum(i.shape[0] for i in infos)
         q = torch.empty(n_rows, cols, dtype=torch.int8)
@@ -143,7 +149,8 @@ class _Builder:
             rows = info.shape[0]
             chunk = max(1, min(rows, _CONVERT_VALUES // cols))
             buf = torch.empty(chunk * cols)
-            for r0, block in quants.dequantize_rows(self.gguf.raw(info.name), info.ggml_type, info.shape, chunk, buf):
+            raw = self.gguf.raw(info.name)[:info.nbytes]
+            for r0, block in quants.dequantize_rows(raw, info.ggml_type, info.shape, chunk, buf):
                 n = block.shape[0]
                 quantize_weight_int8(block, out=q[row + r0:row + r0 + n], scale_out=scale[row + r0:row + r0 + n])
             self.gguf.release(info.name)
@@ -163,7 +170,7 @@ class _Builder:
             self._dequantize(name, None, info.shape)          # raises the one-line error
         return info
 
-    def linear(self, names: list[str], biases: list[str | None] | None = None):
+    def linear(self, names: list[str], biases: list[str | None] | None = None, max_rows: int | None = None):
         """One linear layer from the row-wise concatenation of the named matrices."""
         bias = None
         if biases and any(b and self.has(b) for b in biases):
@@ -173,16 +180,18 @@ class _Builder:
                              torch.zeros(self.gguf.tensors[name].shape[0], device=self.device))
             bias = torch.cat(parts)
         if self.precision in INT8:
-            q, scale = self._int8_matrix(names)
+            q, scale = self._int8_matrix(names, max_rows)
             return Int8Linear(q, scale, bias, residual=self.precision == "int8")
         dtype = {"exact": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[self.precision]
         chunks = [c.to(dtype) for name in names for c in self._float_rows(name)]
         w = torch.cat(chunks) if len(chunks) > 1 else chunks[0]
+        if max_rows:
+            w = w[:max_rows].clone()
         return DenseLinear(w.to(self.device), bias)
 
 
 def load_weights(gguf: GGUFFile, cfg: ModelConfig, precision: str, device: torch.device,
-                 use_cache: bool = True) -> Weights:
+                 use_cache: bool = True, output_rows: int | None = None) -> Weights:
     """use_cache: read int8 matrices converted by an earlier load, or save them for the next one."""
     b = _Builder(gguf, precision, device, use_cache)
     layers = []
@@ -214,7 +223,7 @@ def load_weights(gguf: GGUFFile, cfg: ModelConfig, precision: str, device: torch
         embed=Embedding(gguf, "token_embd.weight", device),
         layers=layers,
         output_norm=b.vector("output_norm.weight"),
-        output=b.linear([output_name]),
+        output=b.linear([output_name], max_rows=output_rows),
     )
     if isinstance(weights.output, Int8Linear):
         pending.append(packing.submit(weights.output.pack))

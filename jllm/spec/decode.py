@@ -35,6 +35,9 @@ class SpecConfig:
     draft_min: int = 1          # fewest tokens a round may propose (adaptive k stays within [min, max])
     p_min: float = 0.6          # the draft model stops drafting when its top probability falls below this
     ngram_min_match: int = 2    # n-gram proposals need a suffix match at least this long to be used
+    draft_vocab: int = 32768    # FR-Spec: the draft scores only the first N token ids (BPE ids rise with
+                                # merge rank, roughly falling frequency); the target still verifies over all
+    draft_precision: str = "int8-fast"   # the draft only proposes: one int8 activation pass is enough
 
 
 @dataclass
@@ -78,7 +81,7 @@ class DraftRunner:
         self.ids: list[int] = []
         self.device = model.device
 
-    def _sync(self, context: list[int]) -> torch.Tensor:
+    def sync(self, context: list[int]) -> torch.Tensor:
         """Make the cache hold `context`; returns the logits after its last token."""
         keep = min(common_prefix(self.ids, context), len(context) - 1)
         self.cache.truncate(keep)
@@ -94,7 +97,7 @@ class DraftRunner:
     def propose(self, context: list[int], k: int, p_min: float, params: SamplingParams,
                 gen: torch.Generator | None) -> tuple[list[int], torch.Tensor | None]:
         """Up to k tokens; with sampling also their distributions q [n, V]. Stops early when unsure."""
-        logits = self._sync(context)
+        logits = self.sync(context)
         drafts, qs = [], []
         for i in range(k):
             if params.greedy:
@@ -170,6 +173,8 @@ class SpeculativeDecoder:
                 n, nxt = verify_greedy(drafts, argmax)
             else:
                 p = torch.stack([probs(out[i], params, history + drafts[:i]) for i in range(len(drafts) + 1)])
+                if kind == "draft" and q is not None and q.shape[-1] < p.shape[-1]:
+                    q = torch.nn.functional.pad(q, (0, p.shape[-1] - q.shape[-1]))   # subset vocab: zeros beyond
                 n, nxt = verify_sampled(drafts, q if kind == "draft" else None, p, gen)
             eng.cache.truncate(before + 1 + n)
             eng.cached_ids = eng.cached_ids[:before] + [last] + drafts[:n]

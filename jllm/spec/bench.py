@@ -1,0 +1,104 @@
+"""`jllm bench --spec`: the corpus (corpus.json) run greedy with and without speculation, same engine, same
+prompts, fixed max tokens; per category plain tok/s, speculative tok/s, speedup, acceptance, identical output.
+
+Each prompt is decoded plain first and then speculatively, from a cold cache both times (the draft model's
+prompt prefill counts as speculative decode time, since plain decoding has no such cost).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+
+from jllm.sampling import SamplingParams
+from jllm.spec.corpus import load_corpus
+
+
+def _run(eng, ids, params, spec):
+    eng.spec = spec
+    eng.cache.truncate(0)
+    eng.cached_ids = []
+    if eng.draft is not None:
+        eng.draft.cache.truncate(0)
+        eng.draft.ids = []
+    res = eng.generate(ids, params)
+    return res, (eng.spec_stats.as_dict() if spec is not None else None)
+
+
+def run_corpus(eng, spec_cfg, max_tokens: int = 128, limit: int | None = None, log=print) -> dict:
+    params = SamplingParams(max_tokens=max_tokens)
+    items = load_corpus()[:limit] if limit else load_corpus()
+    rows = []
+    for item in items:
+        ids = eng.chat_ids(item["messages"])
+        plain, _ = _run(eng, ids, params, None)
+        spec, st = _run(eng, ids, params, spec_cfg)
+        row = {
+            "id": item["id"], "category": item["category"], "prompt_tokens": len(ids),
+            "tokens": len(plain.token_ids), "identical": plain.token_ids == spec.token_ids,
+            "plain_s": plain.timings.decode_ms / 1000, "spec_s": spec.timings.decode_ms / 1000,
+            "spec_tokens": len(spec.token_ids), "drafted": st["drafted"], "accepted": st["accepted"],
+            "rounds": st["rounds"], "by_proposer": st["by_proposer"],
+        }
+        rows.append(row)
+        log(f"{item['id']:<28} {row['tokens']:>4} tok  plain {row['tokens'] / row['plain_s']:6.2f} tok/s  "
+            f"spec {row['spec_tokens'] / row['spec_s']:6.2f} tok/s  alpha {_alpha(row):.2f}  "
+            f"{'identical' if row['identical'] else 'DIFFERENT'}")
+    eng.spec = spec_cfg
+    return summarize(rows)
+
+
+def _alpha(r: dict) -> float:
+    return r["accepted"] / r["drafted"] if r["drafted"] else 0.0
+
+
+def summarize(rows: list[dict]) -> dict:
+    groups = defaultdict(list)
+    for r in rows:
+        groups[r["category"]].append(r)
+    groups["ALL"] = rows
+
+    def agg(rs):
+        plain_tok = sum(r["tokens"] for r in rs)
+        spec_tok = sum(r["spec_tokens"] for r in rs)
+        plain_s, spec_s = sum(r["plain_s"] for r in rs), sum(r["spec_s"] for r in rs)
+        drafted, accepted, rounds = (sum(r[k] for r in rs) for k in ("drafted", "accepted", "rounds"))
+        return {"prompts": len(rs), "plain_tok_s": plain_tok / plain_s, "spec_tok_s": spec_tok / spec_s,
+                "speedup": (spec_tok / spec_s) / (plain_tok / plain_s),
+                "alpha": accepted / drafted if drafted else 0.0,
+                "mean_accepted": accepted / rounds if rounds else 0.0,
+                "identical": sum(r["identical"] for r in rs)}
+
+    return {"categories": {k: agg(v) for k, v in groups.items()}, "prompts": rows}
+
+
+def print_summary(s: dict) -> None:
+    print(f"\n{'category':<14} {'n':>3} {'plain tok/s':>12} {'spec tok/s':>11} {'speedup':>8} {'alpha':>6} "
+          f"{'mean acc':>9} {'identical':>10}")
+    for cat, a in s["categories"].items():
+        print(f"{cat:<14} {a['prompts']:>3} {a['plain_tok_s']:>12.2f} {a['spec_tok_s']:>11.2f} "
+              f"{a['speedup']:>7.2f}x {a['alpha']:>6.2f} {a['mean_accepted']:>9.2f} "
+              f"{a['identical']:>5}/{a['prompts']}")
+
+
+def run(a) -> int:
+    from jllm.engine import Engine
+    from jllm.spec.decode import SpecConfig
+    from jllm.store import resolve
+
+    draft = str(resolve(a.draft_model)) if a.draft_model else None
+    mode = a.spec_mode or ("auto" if draft else "ngram")
+    cfg = SpecConfig(mode=mode, draft_max=a.draft_max, draft_min=a.draft_min, p_min=a.draft_p_min)
+    eng = Engine(str(resolve(a.model)), device=a.device, precision=a.precision, ctx_size=a.ctx_size,
+                 threads=a.threads, draft_path=draft, spec=cfg)
+    t0 = time.perf_counter()
+    s = run_corpus(eng, cfg, max_tokens=a.n_predict, limit=a.limit)
+    print_summary(s)
+    print(f"\n{eng.gguf.path.name} + {a.draft_model or 'no draft'}, mode {mode}, precision {eng.precision}, "
+          f"max {a.n_predict} tokens, {time.perf_counter() - t0:.0f} s")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"model": eng.gguf.path.name, "draft": a.draft_model, "mode": mode,
+                       "precision": eng.precision, "max_tokens": a.n_predict, **s}, f, indent=1)
+    return 0
