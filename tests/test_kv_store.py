@@ -6,7 +6,6 @@ tests/kv_writer_child.py at seeded random moments.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
