@@ -23,6 +23,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="compute representation (default: int8 on CPU, bf16 on CUDA)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (default 4096)")
+    p.add_argument("--mem-limit", type=parse_size, default=None,
+                   help="refuse to load a configuration whose planned memory exceeds this (see jllm plan)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -50,6 +52,12 @@ def _engine(a: argparse.Namespace, kv_cache: bool = False):
 
     kv_dir = str(_cache_dir(a)) if kv_cache else None
     draft = getattr(a, "draft_model", None)
+    if a.mem_limit is not None:
+        from jllm.plan import check_limit, plan
+
+        precision = a.precision or ("int8" if a.device == "cpu" else "bf16")
+        check_limit(plan(str(resolve(a.model)), str(resolve(draft)) if draft else None, a.ctx_size, precision),
+                    a.mem_limit)
     return Engine(str(resolve(a.model)), device=a.device, precision=a.precision, ctx_size=a.ctx_size,
                   threads=a.threads, kv_store_dir=kv_dir, kv_store_bytes=getattr(a, "cache_size", 1 << 30),
                   draft_path=str(resolve(draft)) if draft else None, spec=_spec_config(a))
@@ -314,6 +322,18 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return run_bench(a)
 
 
+def cmd_plan(a: argparse.Namespace) -> int:
+    from jllm.plan import check_limit, plan, print_plan
+    from jllm.store import resolve
+
+    precision = a.precision or ("int8" if a.device == "cpu" else "bf16")
+    rows = plan(str(resolve(a.model)), str(resolve(a.draft_model)) if a.draft_model else None, a.ctx_size,
+                precision)
+    print_plan(rows, a.ctx_size)
+    check_limit(rows, a.mem_limit)                # --mem-limit: fail if the total exceeds it
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="jllm", description="Local LLM inference for GGUF models.")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -350,6 +370,11 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("action", nargs="?", choices=["list", "pull"], default="list")
     m.add_argument("alias", nargs="?")
     m.set_defaults(func=cmd_models)
+
+    pl = sub.add_parser("plan", help="memory budget of a configuration: weights, KV pools, scratch, total")
+    _model_args(pl)
+    pl.add_argument("-md", "--draft-model", default=None)
+    pl.set_defaults(func=cmd_plan)
 
     i = sub.add_parser("inspect", help="show a GGUF file's architecture, tensor types, vocabulary")
     i.add_argument("file")

@@ -97,8 +97,15 @@ class Engine:
         if kv_store_dir is not None:
             from jllm.cache.store import KVStore, model_fingerprint
 
+            tag = f"{self.precision}@{self.device.type}"       # CPU and CUDA compute slightly different KV
+            draft_fp = None
+            if self.draft is not None:
+                dm = self.draft.model
+                draft_fp = model_fingerprint(dm.gguf, f"{self.draft.precision}@{self.device.type}"
+                                                      f"/vocab{dm.w.output.out_features}")
             self.kv_store = KVStore(kv_store_dir, max_bytes=kv_store_bytes,
-                                    target_fingerprint=model_fingerprint(self.gguf, self.precision))
+                                    target_fingerprint=model_fingerprint(self.gguf, tag),
+                                    draft_fingerprint=draft_fp)
         self._saving: threading.Thread | None = None
         self.load_ms = (time.perf_counter() - t0) * 1000
 
@@ -113,6 +120,7 @@ class Engine:
         draft_model = load_model(dg, self.device, precision, max_positions=self.ctx_size,
                                  output_rows=spec.draft_vocab or None)
         self.draft = DraftRunner(draft_model, self.ctx_size)
+        self.draft.precision = precision
 
     # -- prompts ----------------------------------------------------------------------------------------------
 
@@ -158,10 +166,14 @@ class Engine:
         n = min(n, len(ids) - 1)
         if name is not None and n > keep:
             state = self.kv_store.load(name, n)
-            if state is not None:
+            # another process may have replaced the entry since lookup: use it only if it still matches
+            if state is not None and list(state.tokens[:n]) == ids[:n]:
                 self.cache.load(state.target_k.to(self.device), state.target_v.to(self.device))
-                self.cached_ids = list(state.tokens[:n])
+                self.cached_ids = list(ids[:n])
                 keep = n
+                if self.draft is not None and state.draft_k is not None:
+                    self.draft.cache.load(state.draft_k.to(self.device), state.draft_v.to(self.device))
+                    self.draft.ids = list(ids[:n])
         if timings is not None:
             timings.hydrate_ms = (time.perf_counter() - t0) * 1000
         return keep
@@ -176,6 +188,10 @@ class Engine:
         n = self.cache.length
         k, v = self.cache.export(n)
         state = KVState(tokens=list(self.cached_ids[:n]), target_k=k.cpu(), target_v=v.cpu())
+        if self.draft is not None:                  # the draft's state covers the same tokens
+            self.draft.sync(state.tokens)
+            dk, dv = self.draft.cache.export(n)
+            state.draft_k, state.draft_v = dk.cpu(), dv.cpu()
         name = conv_id
 
         def save():

@@ -1,0 +1,80 @@
+"""`jllm plan`: the memory budget of a configuration, computed from the GGUF headers before loading anything
+(the table the origin document drew by hand): weights in their compute representation, KV pools of target
+and draft at the context size, scratch, runtime, total. `--mem-limit` turns it into a refusal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jllm.errors import JllmError
+from jllm.gguf.reader import GGUFFile, read_gguf
+from jllm.model.config import config_from_gguf
+
+RUNTIME_BYTES = 350 << 20      # python + torch + tokenizer, measured: RSS of an engine on a tiny model
+BYTES_PER_WEIGHT = {"exact": 4, "int8": 1, "int8-fast": 1, "bf16": 2, "f16": 2}
+
+
+@dataclass
+class Budget:
+    name: str
+    weights: int
+    kv: int
+    scratch: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.scratch
+
+
+def model_budget(g: GGUFFile, precision: str, ctx: int, output_rows: int | None = None,
+                 verify_tokens: int = 9) -> Budget:
+    cfg = config_from_gguf(g.metadata, set(g.tensors), str(g.path))
+    per = BYTES_PER_WEIGHT[precision]
+    scale_bytes = 4 if per == 1 else 0              # int8: one f32 scale per output row
+    weights = 0
+    for name, t in g.tensors.items():
+        if len(t.shape) != 2 or name == "token_embd.weight":
+            weights += t.n_elements * 4 if len(t.shape) == 1 else 0      # norms and biases in f32
+            continue
+        rows, cols = t.shape
+        if name == "output.weight" and output_rows:
+            rows = min(rows, output_rows)
+        weights += rows * (cols * per + scale_bytes)
+    if cfg.tied_embeddings:                          # the output layer is a converted copy of the embedding
+        rows = min(cfg.vocab_size, output_rows or cfg.vocab_size)
+        weights += rows * (cfg.hidden * per + scale_bytes)
+    kv = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * ctx * 4
+    vocab = min(cfg.vocab_size, output_rows or cfg.vocab_size)
+    scratch = (verify_tokens * vocab * 4                          # logits of a verify pass
+               + 256 * (2 * cfg.ffn + 4 * cfg.hidden) * 4 * 2     # a prefill chunk's activations
+               + 2 * ctx * cfg.rope_dim * 4)                      # RoPE tables
+    return Budget(g.path.name, weights, kv, scratch)
+
+
+def plan(target: str, draft: str | None, ctx: int, precision: str, draft_precision: str = "int8-fast",
+         draft_vocab: int | None = 32768) -> list[Budget]:
+    rows = [model_budget(read_gguf(target), precision, ctx)]
+    if draft:
+        rows.append(model_budget(read_gguf(draft), draft_precision if precision in ("int8", "int8-fast")
+                                 else precision, ctx, output_rows=draft_vocab))
+    return rows
+
+
+def total_bytes(rows: list[Budget]) -> int:
+    return sum(r.total for r in rows) + RUNTIME_BYTES
+
+
+def check_limit(rows: list[Budget], limit: int | None) -> None:
+    if limit is not None and total_bytes(rows) > limit:
+        raise JllmError(f"this configuration needs about {total_bytes(rows) / 2**30:.2f} GiB, over the memory "
+                        f"limit of {limit / 2**30:.2f} GiB (see `jllm plan`; lower -c/--ctx-size or drop the draft)")
+
+
+def print_plan(rows: list[Budget], ctx: int) -> None:
+    mib = lambda b: f"{b / 2**20:,.0f}"          # noqa: E731
+    print(f"{'model':<44} {'weights MiB':>12} {f'KV@{ctx} MiB':>14} {'scratch MiB':>12} {'total MiB':>10}")
+    for r in rows:
+        print(f"{r.name:<44} {mib(r.weights):>12} {mib(r.kv):>14} {mib(r.scratch):>12} {mib(r.total):>10}")
+    print(f"{'runtime (python, torch, tokenizer)':<44} {'':>12} {'':>14} {'':>12} {mib(RUNTIME_BYTES):>10}")
+    print(f"{'total':<44} {'':>12} {'':>14} {'':>12} {mib(total_bytes(rows)):>10}")

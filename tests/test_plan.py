@@ -1,0 +1,31 @@
+"""jllm plan: the budget computed from GGUF headers matches what the engine really allocates."""
+
+import pytest
+
+from jllm.engine import Engine
+from jllm.errors import JllmError
+from jllm.plan import check_limit, plan, total_bytes
+from synthetic import write_tiny_model
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+def test_planned_weights_and_kv_match_the_engine(arch, tmp_path, monkeypatch):
+    monkeypatch.setenv("JLLM_CONVERTED_DIR", str(tmp_path / "conv"))
+    path = tmp_path / f"{arch}.gguf"
+    write_tiny_model(path, arch)
+    (row,) = plan(str(path), None, ctx=128, precision="int8")
+    eng = Engine(str(path), ctx_size=128, threads=1)
+    norms = sum(t.n_elements * 4 for t in eng.gguf.tensors.values() if len(t.shape) == 1)
+    assert row.weights == eng.model.w.nbytes() + norms
+    assert row.kv == eng.cache.nbytes()
+
+
+def test_draft_subset_shrinks_the_plan_and_limit_refuses(tmp_path):
+    path = tmp_path / "q.gguf"
+    write_tiny_model(path, "qwen2")
+    full, sub = plan(str(path), str(path), ctx=64, precision="int8", draft_vocab=100)
+    assert sub.weights < full.weights
+    rows = [full, sub]
+    check_limit(rows, total_bytes(rows))
+    with pytest.raises(JllmError, match="memory limit"):
+        check_limit(rows, total_bytes(rows) - 1)
