@@ -317,6 +317,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
         from jllm.spec import bench as spec_bench
 
         return spec_bench.run(a)
+    if a.multiturn:
+        from jllm.cache import bench as cache_bench
+
+        return cache_bench.run(a)
     from jllm.bench import run_bench
 
     return run_bench(a)
@@ -401,6 +405,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--draft-p-min", type=float, default=0.6)
     b.add_argument("-n", "--n-predict", type=int, default=128, help="tokens per prompt for --spec")
     b.add_argument("--limit", type=int, default=None, help="only the first N corpus prompts")
+    b.add_argument("--multiturn", action="store_true",
+                   help="persistent KV cache: second-turn prompt evaluation with and without the cache")
+    b.add_argument("--conversations", type=int, default=3, help="conversations for --multiturn")
+    b.add_argument("--first-tokens", type=int, default=1500, help="tokens in the first message (--multiturn)")
     b.set_defaults(func=cmd_bench)
     return ap
 

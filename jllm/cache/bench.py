@@ -1,0 +1,81 @@
+"""`jllm bench --multiturn`: two-turn conversations whose first user message holds >= 1500 tokens, each turn
+in a new `jllm chat --conversation ID -p ... --json` process, once with the persistent KV cache and once with
+`--no-kv-cache`; compares the second turn's prompt evaluation (hydration included) and its output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+from jllm.errors import JllmError
+from jllm.spec.corpus import load_corpus
+
+QUESTIONS = [
+    ("Summarize the first passage in two sentences.", "Now name three key terms from the last passage."),
+    ("Which passage is the oldest text, and why do you think so?", "Rewrite its first sentence in plain English."),
+    ("List the passages with a one-line title for each.", "Which two passages are most alike? Answer briefly."),
+]
+
+
+def long_message(min_tokens: int, tokenizer, offset: int) -> str:
+    """Passages from the corpus, rotated by offset, until the message holds at least min_tokens tokens."""
+    passages = [m["messages"][-1]["content"] for m in load_corpus()
+                if m["category"] in ("summarizing", "rewriting")]
+    text, i = "Here are several passages.\n\n", 0
+    while len(tokenizer.encode(text)) < min_tokens:
+        text += f"Passage {i + 1}:\n{passages[(i + offset) % len(passages)]}\n\n"
+        i += 1
+    return text
+
+
+def _turn(model: str, conv: str, message: str, cache_dir: str, extra: list[str], n_predict: int) -> dict:
+    cmd = [sys.executable, "-m", "jllm", "chat", "-m", model, "--conversation", conv, "-p", message, "--json",
+           "-n", str(n_predict), "-c", "4096", "--cache-dir", cache_dir, *extra]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise JllmError(f"bench turn failed: {out.stderr.strip().splitlines()[-1:]}")
+    return json.loads(out.stdout)
+
+
+def run(a) -> int:
+    from jllm.gguf.reader import read_gguf
+    from jllm.store import resolve
+    from jllm.tokenizer.tokenizer import Tokenizer
+
+    model = str(resolve(a.model))
+    tok = Tokenizer.from_metadata(read_gguf(model).metadata)
+    rows = []
+    extra = ["--precision", a.precision] if a.precision else []
+    with tempfile.TemporaryDirectory() as cached_dir, tempfile.TemporaryDirectory() as plain_dir:
+        for i in range(a.conversations):
+            q1, q2 = QUESTIONS[i % len(QUESTIONS)]
+            first = long_message(a.first_tokens, tok, i) + q1
+            conv = f"bench-{os.getpid()}-{i}"
+            res = {}
+            for mode, d, flags in (("cache", cached_dir, []), ("no-cache", plain_dir, ["--no-kv-cache"])):
+                _turn(model, conv, first, d, extra + flags, a.n_predict)
+                res[mode] = _turn(model, conv, q2, d, extra + flags, a.n_predict)
+            c, p = res["cache"]["timings"], res["no-cache"]["timings"]
+            with_cache = c["prompt_eval_ms"] + c["hydrate_ms"]
+            row = {"conversation": i, "turn2_prompt_tokens": p["prompt_tokens_evaluated"],
+                   "cached_tokens": c["cached_tokens"], "evaluated_with_cache": c["prompt_tokens_evaluated"],
+                   "hydrate_ms": c["hydrate_ms"], "prompt_ms_cache": with_cache, "prompt_ms_no_cache":
+                   p["prompt_eval_ms"], "saving": 1 - with_cache / p["prompt_eval_ms"],
+                   "identical": res["cache"]["token_ids"] == res["no-cache"]["token_ids"]}
+            rows.append(row)
+            print(f"conversation {i}: turn-2 prompt {row['turn2_prompt_tokens']} tokens; with cache "
+                  f"{row['evaluated_with_cache']} evaluated + {row['cached_tokens']} hydrated in "
+                  f"{with_cache:.0f} ms (hydrate {row['hydrate_ms']:.0f} ms); without {p['prompt_eval_ms']:.0f} ms; "
+                  f"saving {row['saving']:.1%}; {'identical' if row['identical'] else 'DIFFERENT'} output",
+                  flush=True)
+    mean = sum(r["saving"] for r in rows) / len(rows)
+    print(f"\nmean second-turn prompt-evaluation saving {mean:.1%}; identical output "
+          f"{sum(r['identical'] for r in rows)}/{len(rows)}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"model": os.path.basename(model), "rows": rows, "mean_saving": mean}, f, indent=1)
+    return 0
