@@ -268,6 +268,40 @@ def cmd_cache(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(a: argparse.Namespace) -> int:
+    """An OpenAI-compatible HTTP server over one engine (jllm/server/app.py), until Ctrl-C."""
+    import logging
+
+    from jllm.store import ALIASES
+
+    if not 0 <= a.port <= 65535:
+        raise JllmError(f"--port must be in 0..65535, got {a.port}")
+    if a.api_key is not None and not a.api_key.strip():
+        raise JllmError("--api-key is empty (leave it out to serve without a key)")
+    import uvicorn
+
+    from jllm.server import create_app
+
+    eng = _engine(a, kv_cache=not a.no_kv_cache)
+    path = eng.gguf.path
+    name = a.model if a.model in ALIASES else path.stem
+    aliases = {a.model, path.name, path.stem, eng.model.cfg.name or path.stem}
+    app = create_app(eng, name, api_key=a.api_key, aliases=aliases)
+    server_log = logging.getLogger("jllm.server")
+    if not server_log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        server_log.addHandler(handler)
+        server_log.setLevel(logging.INFO)
+        server_log.propagate = False
+    cache = f"KV cache {eng.kv_store.dir}" if eng.kv_store is not None else "no persistent KV cache"
+    spec = f"speculation {eng.spec.mode}" if eng.spec is not None else "no speculation"
+    print(f"jllm serve: {name} at http://{a.host}:{a.port}/v1 ({cache}, {spec}"
+          f"{', API key required' if a.api_key else ''}); Ctrl-C stops", file=sys.stderr)
+    uvicorn.run(app, host=a.host, port=a.port, log_level="info")
+    return 0
+
+
 def cmd_models(a: argparse.Namespace) -> int:
     from jllm.store import list_models, models_dir, pull
 
@@ -363,6 +397,19 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-kv-cache", action="store_true", help="keep the conversation but evaluate the whole "
                    "history (no persistent KV state)")
     c.set_defaults(func=cmd_chat)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, "
+                        "/v1/models, /health, /metrics")
+    _model_args(sv)
+    _cache_args(sv)
+    _spec_args(sv)
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    sv.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080)")
+    sv.add_argument("--api-key", default=os.environ.get("JLLM_API_KEY"),
+                    help="require `Authorization: Bearer KEY` on /v1/* and /metrics (default: $JLLM_API_KEY)")
+    sv.add_argument("--no-kv-cache", action="store_true", help="no persistent KV cache (in-memory prefix "
+                    "reuse only)")
+    sv.set_defaults(func=cmd_serve)
 
     k = sub.add_parser("cache", help="the persistent KV cache: ls | rm ID | clear | stats")
     k.add_argument("action", choices=["ls", "rm", "clear", "stats"])

@@ -1,0 +1,341 @@
+"""jllm serve (jllm/server/): a live uvicorn server on loopback, driven by the official `openai` client (and
+httpx for raw requests), over a tiny synthetic model with n-gram speculation and the persistent KV cache on.
+
+Greedy answers must equal the CLI's (`jllm generate --chat`) and a reference engine's, streamed or not, alone
+or among concurrent requests; errors must be OpenAI-shaped JSON with the right status.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from openai import OpenAI
+from synthetic import write_tiny_model
+
+from jllm import cli
+from jllm.engine import Engine
+from jllm.sampling import SamplingParams
+from jllm.server import create_app
+from jllm.spec.decode import SpecConfig
+
+KEY = "sk-test-key"
+CTX = 4096
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    d = tmp_path_factory.mktemp("serve")
+    path = d / "tiny.gguf"
+    write_tiny_model(path, "qwen2", seed=5)               # seed 5 rarely ends its turn early: long answers
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("JLLM_CONVERTED_DIR", str(d / "converted"))
+        eng = Engine(str(path), ctx_size=CTX, threads=1, kv_store_dir=str(d / "kv"), spec=SpecConfig(mode="ngram"))
+        ref = Engine(str(path), ctx_size=CTX, threads=1)     # plain decoding, no store: the oracle
+        app = create_app(eng, "tiny", api_key=KEY, aliases=["tiny-alias"])
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.02)
+        base = f"http://127.0.0.1:{port}"
+        yield SimpleNamespace(base=base, path=path, kv=d / "kv", engine=eng, ref=ref, converted=d / "converted",
+                              client=OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=60),
+                              http=httpx.Client(base_url=base, headers={"Authorization": f"Bearer {KEY}"},
+                                                timeout=60))
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+def user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def reference(srv, messages: list[dict], n: int) -> str:
+    return srv.ref.generate(srv.ref.chat_ids(messages), SamplingParams(max_tokens=n)).text
+
+
+def metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} missing from /metrics")
+
+
+# -- chat and completions -------------------------------------------------------------------------------------
+
+def test_chat_streaming_equals_non_streaming(srv):
+    msgs = user("tell me about the world")
+    r = srv.client.chat.completions.create(model="tiny", messages=msgs, max_tokens=24, temperature=0)
+    text = r.choices[0].message.content
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-") and r.model == "tiny"
+    assert r.choices[0].message.role == "assistant" and r.choices[0].finish_reason in ("stop", "length")
+    assert 0 < r.usage.completion_tokens <= 24
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.usage.prompt_tokens == len(srv.ref.chat_ids(msgs))
+    assert {"drafted", "accepted", "acceptance_rate"} <= set(r.model_extra["spec"])
+
+    chunks = list(srv.client.chat.completions.create(model="tiny", messages=msgs, max_tokens=24, temperature=0,
+                                                     stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == [r.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_greedy_text_equals_jllm_generate_chat(srv, capsys, monkeypatch):
+    monkeypatch.setenv("JLLM_CONVERTED_DIR", str(srv.converted))
+    prompt = "request number 3: tell me about the world"
+    assert cli.main(["generate", "-m", str(srv.path), "-p", prompt, "--chat", "--json", "-n", "40",
+                     "-c", str(CTX), "-t", "1"]) == 0
+    want = json.loads(capsys.readouterr().out)
+    r = srv.client.chat.completions.create(model="tiny", messages=user(prompt), max_tokens=40, temperature=0)
+    assert r.choices[0].message.content == want["text"]
+    assert r.usage.completion_tokens == len(want["token_ids"])
+    assert r.choices[0].finish_reason == want["finish_reason"]
+
+
+def test_two_turns_reuse_the_persistent_kv_cache(srv):
+    turn1 = [{"role": "system", "content": "You are terse."}, *user("the history of caches " * 12)]
+    r1 = srv.client.chat.completions.create(model="tiny", messages=turn1, max_tokens=16, temperature=0,
+                                            extra_body={"prompt_cache_key": "conv1"})
+    # another conversation in between: the engine's memory now holds other tokens, so turn 2 needs the store
+    srv.client.chat.completions.create(model="tiny", messages=user("something else entirely"), max_tokens=4,
+                                       temperature=0)
+    turn2 = turn1 + [{"role": "assistant", "content": r1.choices[0].message.content}, *user("and then?")]
+    r2 = srv.client.chat.completions.create(model="tiny", messages=turn2, max_tokens=16, temperature=0,
+                                            extra_body={"prompt_cache_key": "conv1"})
+    assert (srv.kv / "conv1.kv").is_file()
+    assert r1.usage.prompt_tokens_details.cached_tokens < r1.usage.prompt_tokens // 2
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    assert cached >= r1.usage.prompt_tokens
+    assert r2.model_extra["timings"]["prompt_tokens_evaluated"] == r2.usage.prompt_tokens - cached
+    assert r2.choices[0].message.content == reference(srv, turn2, 16)
+
+
+def test_completions(srv):
+    r = srv.client.completions.create(model="tiny", prompt="Hello world", max_tokens=20, temperature=0)
+    want = srv.ref.generate(srv.ref.encode("Hello world"), SamplingParams(max_tokens=20))
+    assert r.object == "text_completion" and r.choices[0].text == want.text
+    assert r.usage.completion_tokens == len(want.token_ids) and r.choices[0].finish_reason == want.finish_reason
+    chunks = list(srv.client.completions.create(model="default", prompt="Hello world", max_tokens=20,
+                                                temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == want.text
+    stopped = srv.client.completions.create(model="tiny", prompt="Hello world", max_tokens=20, temperature=0,
+                                            stop=[want.text[3:6]])
+    assert stopped.choices[0].text == want.text[:want.text.index(want.text[3:6])]
+    assert stopped.choices[0].finish_reason == "stop"
+
+
+def test_sampled_requests_repeat_with_a_seed(srv):
+    args = dict(model="tiny", messages=user("roll the dice"), max_tokens=16, temperature=0.9, top_p=0.95, seed=7)
+    a, b = (srv.client.chat.completions.create(**args).choices[0].message.content for _ in range(2))
+    assert a == b
+
+
+def test_models_health_metrics(srv):
+    assert [m.id for m in srv.client.models.list().data] == ["tiny"]
+    assert srv.client.models.retrieve("tiny-alias").id == "tiny"
+    h = httpx.get(f"{srv.base}/health")                  # no key needed
+    assert h.status_code == 200 and h.json()["status"] == "ok" and h.json()["model"] == "tiny"
+    srv.client.chat.completions.create(model="tiny", messages=user("count me"), max_tokens=4, temperature=0)
+    m = srv.http.get("/metrics")
+    assert m.status_code == 200 and m.headers["content-type"].startswith("text/plain")
+    text = m.text
+    assert metric(text, 'jllm_http_requests_total{path="/v1/chat/completions",status="200"}') >= 1
+    assert metric(text, "jllm_completions_total") >= 1
+    assert metric(text, "jllm_tokens_generated_total") >= 4
+    assert metric(text, "jllm_prompt_tokens_evaluated_total") > 0
+    assert metric(text, "jllm_decode_tokens_per_second") > 0
+    assert metric(text, "jllm_kv_cache_entries") >= 1 and metric(text, "jllm_kv_cache_bytes") > 0
+    assert metric(text, "jllm_queue_depth") == 0
+    assert metric(text, "jllm_spec_accepted_tokens_total") <= metric(text, "jllm_spec_drafted_tokens_total")
+    for name in ("jllm_prompt_tokens_cached_total", "jllm_spec_drafted_tokens_total",
+                 "jllm_spec_accepted_tokens_total", "jllm_spec_acceptance_rate", "jllm_requests_running"):
+        metric(text, name)
+
+
+# -- errors ---------------------------------------------------------------------------------------------------
+
+CHAT = "/v1/chat/completions"
+OK = {"model": "tiny", "messages": user("hi"), "max_tokens": 2}
+
+
+@pytest.mark.parametrize("body, status, param, code", [
+    (b"{not json", 400, None, None),
+    (b"[1, 2]", 400, None, None),
+    ({"model": "tiny"}, 400, "messages", None),
+    ({"model": "tiny", "messages": []}, 400, "messages", None),
+    ({**OK, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role", None),
+    ({**OK, "model": "gpt-4o"}, 404, "model", "model_not_found"),
+    ({**OK, "messages": user("word " * 5000)}, 400, "messages", "context_length_exceeded"),
+    ({**OK, "messages": user("word " * 5000), "stream": True}, 400, "messages", "context_length_exceeded"),
+    ({**OK, "temperature": -1}, 400, "temperature", None),
+    ({**OK, "top_p": 0}, 400, "top_p", None),
+    ({**OK, "top_p": 1.5}, 400, "top_p", None),
+    ({**OK, "max_tokens": 0}, 400, "max_tokens", None),
+    ({**OK, "seed": -3}, 400, "seed", None),
+    ({**OK, "n": 2}, 400, "n", None),
+    ({**OK, "stop": 5}, 400, "stop", None),
+    ({**OK, "prompt_cache_key": "../etc/passwd"}, 400, "prompt_cache_key", None),
+])
+def test_bad_requests_get_openai_error_json(srv, body, status, param, code):
+    r = (srv.http.post(CHAT, content=body, headers={"Content-Type": "application/json"}) if isinstance(body, bytes)
+         else srv.http.post(CHAT, json=body))
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["type"] == "invalid_request_error"
+    assert (err["param"] or "").split(".")[0] == (param or "").split(".")[0] and err["code"] == code
+    assert "Traceback" not in r.text
+
+
+def test_errors_through_the_openai_client_and_other_routes(srv):
+    with pytest.raises(openai.NotFoundError):
+        srv.client.chat.completions.create(model="nope", messages=user("hi"), max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="context"):
+        srv.client.completions.create(model="tiny", prompt="word " * 5000, max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        srv.client.completions.create(model="tiny", prompt=[10**9], max_tokens=2)
+    for name in ("default", "tiny-alias"):
+        assert srv.http.post(CHAT, json={**OK, "model": name}).status_code == 200
+    r = srv.http.get("/v1/nowhere")
+    assert r.status_code == 404 and r.json()["error"]["message"]
+
+
+def test_api_key(srv):
+    assert httpx.post(f"{srv.base}{CHAT}", json=OK).status_code == 401
+    r = httpx.post(f"{srv.base}{CHAT}", json=OK, headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{srv.base}/metrics").status_code == 401
+    bad = OpenAI(base_url=f"{srv.base}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+# -- concurrency ----------------------------------------------------------------------------------------------
+
+def test_concurrent_requests_are_all_answered_without_mix_ups(srv):
+    prompts = [f"request number {i}: tell me about the world" for i in range(40)]
+    want = {p: reference(srv, user(p), 12) for p in prompts}      # each prompt's answer, run alone
+
+    def ask(i: int) -> tuple[str, str, float]:
+        t0 = time.perf_counter()
+        p = prompts[i]
+        if i % 2:
+            chunks = srv.client.chat.completions.create(model="tiny", messages=user(p), max_tokens=12,
+                                                        temperature=0, stream=True)
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        else:
+            text = srv.client.chat.completions.create(model="tiny", messages=user(p), max_tokens=12,
+                                                      temperature=0).choices[0].message.content
+        return p, text, time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(ask, range(len(prompts))))
+    wall = time.perf_counter() - t0
+    assert len(results) == len(prompts)
+    for p, text, _ in results:
+        assert text == want[p], p
+    lat = sorted(r[2] for r in results)
+    p99 = lat[min(len(lat) - 1, round(0.99 * (len(lat) - 1)))]
+    print(f"\n40 requests, 8 at a time: {len(lat) / wall:.1f} req/s, "
+          f"p50 {statistics.median(lat) * 1000:.0f} ms, p99 {p99 * 1000:.0f} ms")
+
+
+def test_client_disconnects_stop_their_generations(srv):
+    """A stream closed mid-way is stopped between two tokens; a request abandoned while queued behind it is
+    never run; the server goes on serving."""
+    before = srv.http.get("/metrics").text
+    long = {"model": "tiny", "messages": user("write forever"), "max_tokens": 3500, "temperature": 0}
+    with httpx.Client(base_url=srv.base, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
+        with c.stream("POST", CHAT, json={**long, "stream": True}) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ") and next(lines) == ""
+            with pytest.raises(httpx.TimeoutException):     # waits behind the stream, then gives up
+                srv.http.post(CHAT, json=long, timeout=0.5)
+            time.sleep(0.5)                                  # its handler notices the disconnect
+    deadline = time.monotonic() + 20
+    while True:
+        after = srv.http.get("/metrics").text
+        if metric(after, "jllm_completions_cancelled_total") == metric(before, "jllm_completions_cancelled_total") + 2:
+            break
+        assert time.monotonic() < deadline, "a disconnected request was not cancelled"
+        time.sleep(0.05)
+    generated = metric(after, "jllm_tokens_generated_total") - metric(before, "jllm_tokens_generated_total")
+    assert generated < 3500
+    assert metric(after, "jllm_completions_total") == metric(before, "jllm_completions_total")
+    msgs = user("are you still there?")
+    r = srv.client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0, timeout=20)
+    assert r.choices[0].message.content == reference(srv, msgs, 8)
+    assert httpx.get(f"{srv.base}/health").json()["queue_depth"] == 0
+
+
+def test_internal_error_is_a_500_without_traceback(srv, monkeypatch, caplog):
+    def boom(messages):
+        raise ValueError("boom")
+
+    monkeypatch.setattr(srv.engine, "chat_ids", boom)
+    r = srv.http.post(CHAT, json=OK)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    assert "Traceback" not in r.text and "boom" not in r.text
+    assert any("ValueError: boom" in rec.getMessage() for rec in caplog.records)
+    monkeypatch.undo()
+    assert srv.http.post(CHAT, json=OK).status_code == 200
+
+
+def test_jllm_serve_command(srv, tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JLLM_")}
+    env.update(JLLM_CONVERTED_DIR=str(srv.converted), JLLM_CACHE_DIR=str(tmp_path / "kv"))
+    bad = subprocess.run([sys.executable, "-m", "jllm", "serve", "-m", str(srv.path), "--port", "70000"],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and bad.stderr.strip().splitlines() == ["jllm: --port must be in 0..65535, got 70000"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "jllm", "serve", "-m", str(srv.path), "--port", str(port),
+                             "-c", "512", "-t", "1", "--api-key", "k2"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "jllm serve did not come up"
+            time.sleep(0.1)
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k2", max_retries=0, timeout=30)
+        msgs = user("tell me about the world")
+        r = client.chat.completions.create(model=srv.path.stem, messages=msgs, max_tokens=8, temperature=0)
+        assert r.choices[0].message.content == reference(srv, msgs, 8)
+        assert (tmp_path / "kv").is_dir()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out = proc.communicate(timeout=30)[0]
+    assert proc.returncode == 0, out
+    assert "Traceback" not in out
