@@ -164,8 +164,8 @@ def cmd_chat(a: argparse.Namespace) -> int:
 
     params = _params(a)
     cache_dir = _cache_dir(a)
-    conv_id = a.conversation
-    if a.prompt is not None and conv_id is None:
+    conv_id = a.conversation          # a new chat gets its own id, so each turn replaces one cache entry
+    if conv_id is None:
         conv_id = f"chat-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     messages = load_messages(cache_dir, conv_id) if conv_id else []
     if a.system and not messages:
