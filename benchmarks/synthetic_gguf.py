@@ -13,25 +13,14 @@ import argparse
 import gguf
 import numpy as np
 
+from jllm.tokenizer.bpe import BYTE_CHARS
+
 SHAPES = {
     # arch, layers, hidden, ffn, heads, kv heads, vocab, tied
     "qwen2.5-1.5b": ("qwen2", 28, 1536, 8960, 12, 2, 151936, False),
     "qwen2.5-0.5b": ("qwen2", 24, 896, 4864, 14, 2, 151936, True),
     "tiny": ("qwen2", 2, 64, 128, 4, 2, 512, False),
 }
-
-
-def byte_symbols() -> list[str]:
-    """GPT-2's printable stand-ins for the 256 byte values."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
-    out, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            out[b] = chr(b)
-        else:
-            out[b] = chr(256 + extra)
-            extra += 1
-    return [out[b] for b in range(256)]
 
 
 def write(path: str, shape: str, dtype: str = "f16", seed: int = 0) -> None:
@@ -54,7 +43,7 @@ def write(path: str, shape: str, dtype: str = "f16", seed: int = 0) -> None:
     w.add_rope_freq_base(1e6)
     w.add_layer_norm_rms_eps(1e-6)
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tokens = byte_symbols() + [f"[PAD{i}]" for i in range(vocab - 256 - len(specials))] + specials
+    tokens = list(BYTE_CHARS) + [f"[PAD{i}]" for i in range(vocab - 256 - len(specials))] + specials
     types = [1] * (vocab - len(specials)) + [3] * len(specials)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")

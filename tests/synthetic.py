@@ -35,6 +35,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
+from jllm.tokenizer.bpe import BYTE_CHARS
+
 # ---------------------------------------------------------------------------------------------- tokenizer
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -57,15 +59,7 @@ CHATML_TEMPLATE = (
 
 def byte_symbols() -> list[str]:
     """GPT-2's byte-to-unicode map: byte b -> a printable character, listed in byte order 0..255."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    out, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            out[b] = chr(b)
-        else:
-            out[b] = chr(256 + extra)
-            extra += 1
-    return [out[b] for b in range(256)]
+    return list(BYTE_CHARS)
 
 
 def tiny_vocab(specials_first: bool) -> tuple[list[str], list[int]]:

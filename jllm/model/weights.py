@@ -117,12 +117,7 @@ class _Builder:
 
     def _float_rows(self, name: str):
         """Yield [rows, cols] float32 chunks of a matrix, so the whole f32 copy never exists at once."""
-        if not self.has(name):
-            raise JllmError(f"{self.gguf.path}: tensor {name!r} is missing")
-        info = self.gguf.tensors[name]
-        if len(info.shape) != 2:
-            raise JllmError(f"{self.gguf.path}: tensor {name!r} should be a matrix, has shape {info.shape}")
-        rows, cols = info.shape
+        rows, cols = self._matrix_info(name).shape
         table = self.gguf.raw(name).reshape(rows, -1)
         for r in range(0, rows, _ROWS_PER_CHUNK):
             chunk = table[r:r + _ROWS_PER_CHUNK]
