@@ -84,14 +84,15 @@ class Engine:
         self.tokenizer = Tokenizer.from_metadata(self.gguf.metadata)
         self.chat_template = ChatTemplate.from_metadata(self.gguf.metadata, self.tokenizer)
         self.precision = precision or default_precision(self.device)
+        draft_gguf = self._check_draft(draft_path) if draft_path is not None else None   # fail before loading
         self.model = load_model(self.gguf, self.device, self.precision, max_positions=ctx_size)
         self.ctx_size = ctx_size
         self.cache = self.model.new_cache(ctx_size)
         self.cached_ids: list[int] = []
         self.spec = spec if spec is not None and spec.mode != "none" else None
         self.draft = None
-        if draft_path is not None:
-            self._load_draft(draft_path, spec)
+        if draft_gguf is not None:
+            self._load_draft(draft_gguf, spec)
         self.spec_stats: dict | None = None
         self.kv_store = None
         if kv_store_dir is not None:
@@ -109,13 +110,18 @@ class Engine:
         self._saving: threading.Thread | None = None
         self.load_ms = (time.perf_counter() - t0) * 1000
 
-    def _load_draft(self, draft_path: str, spec) -> None:
+    def _check_draft(self, draft_path: str):
+        """Read the draft's header and check its tokenizer against the target's, before any weights load."""
         from jllm.spec.compat import check_compatible
+
+        dg = read_gguf(draft_path)
+        check_compatible(self.gguf.metadata, dg.metadata, self.gguf.path.name, dg.path.name)
+        return dg
+
+    def _load_draft(self, dg, spec) -> None:
         from jllm.spec.decode import DraftRunner, SpecConfig
 
         spec = spec or SpecConfig()
-        dg = read_gguf(draft_path)
-        check_compatible(self.gguf.metadata, dg.metadata, self.gguf.path.name, dg.path.name)
         precision = spec.draft_precision if self.device.type == "cpu" else self.precision
         draft_model = load_model(dg, self.device, precision, max_positions=self.ctx_size,
                                  output_rows=spec.draft_vocab or None)
