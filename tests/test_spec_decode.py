@@ -41,7 +41,8 @@ def test_greedy_output_identical_to_plain(paths, draft_name, mode):
     plain = engine(paths["target"])
     p = SamplingParams(max_tokens=40)
     ref = plain.generate(PROMPT, p)
-    spec = engine(paths["target"], paths[draft_name] if draft_name else None, mode=mode)
+    # p_min 0: the tiny random models are never confident, and a self-draft should draft whole blocks
+    spec = engine(paths["target"], paths[draft_name] if draft_name else None, mode=mode, p_min=0.0)
     out = spec.generate(PROMPT, p)
     assert out.token_ids == ref.token_ids
     st = spec.spec_stats.as_dict()
@@ -126,3 +127,23 @@ def test_sampled_distribution_matches_target(paths):
 def test_tokenizer_gate_refuses_cross_family_draft(paths):
     with pytest.raises(JllmError, match="tokenizers differ"):
         engine(paths["target"], paths["llama"], mode="draft")
+
+
+def test_draft_gate_prefers_the_cheaper_proposer_and_keeps_exploring():
+    from jllm.spec.decode import DraftGate
+
+    gate = DraftGate(explore=5)
+    picks = []
+    for _ in range(40):
+        arm = gate.choose()
+        picks.append(arm)
+        # drafting costs 0.03 s per emitted token, a plain step 0.05 s: the draft pays here
+        gate.record(arm, 0.03 if arm == "draft" else 0.05, 1)
+    assert picks.count("draft") > 30 and "plain" in picks[5:]
+    gate = DraftGate(explore=5)
+    picks = []
+    for _ in range(40):
+        arm = gate.choose()
+        picks.append(arm)
+        gate.record(arm, 0.08 if arm == "draft" else 0.05, 1)      # now it does not
+    assert picks[10:].count("plain") > 20 and "draft" in picks[10:]

@@ -130,6 +130,7 @@ class SpeculativeDecoder:
         self.ngram = NgramProposer(max_ngram=4, min_ngram=1)
         self.stats = SpecStats()
         self.k = cfg.draft_max
+        self.gate = DraftGate()
 
     def _propose(self, context: list[int], k: int, params: SamplingParams, gen) -> tuple[str, list[int], object]:
         t0 = time.perf_counter()
@@ -138,7 +139,7 @@ class SpeculativeDecoder:
                 d = self.ngram.propose(k)
                 if d and (self.ngram.last_match_len >= self.cfg.ngram_min_match or not self.use_draft):
                     return "ngram", d, None
-            if self.use_draft:
+            if self.use_draft and self.gate.choose() == "draft":
                 d, q = self.draft.propose(context, k, self.cfg.p_min, params, gen)
                 return "draft", d, q
             return "ngram", [], None
@@ -161,6 +162,7 @@ class SpeculativeDecoder:
                 return
             room = min(budget - emitted - 1, eng.ctx_size - eng.cache.length - 2)
             k = max(0, min(self.k, room))
+            t_round = time.perf_counter()
             kind, drafts, q = self._propose(history, k, params, gen) if k else ("ngram", [], None)
             t0 = time.perf_counter()
             before = eng.cache.length
@@ -179,6 +181,8 @@ class SpeculativeDecoder:
             eng.cache.truncate(before + 1 + n)
             eng.cached_ids = eng.cached_ids[:before] + [last] + drafts[:n]
             self.stats.verify_s += time.perf_counter() - t0
+            if kind != "ngram" or not drafts:          # n-gram rounds are free to propose: not the gate's business
+                self.gate.record("draft" if kind == "draft" else "plain", time.perf_counter() - t_round, n + 1)
             if drafts:
                 self.stats.record(kind, len(drafts), n)
                 self._adapt(len(drafts), n)
@@ -197,6 +201,33 @@ class SpeculativeDecoder:
             self.k = min(self.cfg.draft_max, self.k + 1)
         elif accepted < drafted // 2:
             self.k = max(self.cfg.draft_min, self.k - 1)
+
+
+class DraftGate:
+    """Decides, round by round, whether running the draft model pays: it keeps the measured seconds per emitted
+    token of draft rounds and of plain rounds (one target step, no draft) as moving averages, uses the
+    cheaper, and tries the other every `explore` rounds, since acceptance drifts with the text. Only the
+    choice of proposer changes, never what is emitted, so exactness is untouched."""
+
+    def __init__(self, explore: int = 12, decay: float = 0.8):
+        self.cost = {"draft": None, "plain": None}
+        self.rounds = 0
+        self.explore, self.decay = explore, decay
+
+    def choose(self) -> str:
+        self.rounds += 1
+        d, p = self.cost["draft"], self.cost["plain"]
+        if d is None or (p is not None and self.rounds % self.explore == 0 and d <= p):
+            return "draft" if d is None else "plain"
+        if p is None:
+            return "plain" if self.rounds > 3 else "draft"
+        best, other = ("draft", "plain") if d <= p else ("plain", "draft")
+        return other if self.rounds % self.explore == 0 else best
+
+    def record(self, arm: str, seconds: float, tokens: int) -> None:
+        c = seconds / max(tokens, 1)
+        old = self.cost[arm]
+        self.cost[arm] = c if old is None else self.decay * old + (1 - self.decay) * c
 
 
 def _sample(logits: torch.Tensor, params: SamplingParams, history: list[int], gen: torch.Generator) -> int:
