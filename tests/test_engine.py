@@ -129,3 +129,11 @@ def test_kv_cache_export_import_roundtrip(engine):
     assert engine.cache.length == n
     logits_b = engine.model.forward(torch.tensor([5]), engine.cache)
     assert torch.equal(logits_a, logits_b)
+
+
+def test_public_load_builds_an_engine_with_a_draft(model_path):
+    import jllm
+
+    eng = jllm.load(model_path, draft=model_path, ctx_size=64, threads=1)
+    assert isinstance(eng, jllm.Engine) and eng.draft is not None and eng.spec is not None
+    assert len(eng.generate("hi", jllm.SamplingParams(max_tokens=4)).token_ids) == 4
