@@ -55,12 +55,17 @@ def _engine(a: argparse.Namespace, kv_cache: bool = False):
     if a.mem_limit is not None:
         from jllm.plan import check_limit, plan
 
-        precision = a.precision or ("int8" if a.device == "cpu" else "bf16")
-        check_limit(plan(str(resolve(a.model)), str(resolve(draft)) if draft else None, a.ctx_size, precision),
+        check_limit(plan(str(resolve(a.model)), str(resolve(draft)) if draft else None, a.ctx_size, _precision(a)),
                     a.mem_limit)
     return Engine(str(resolve(a.model)), device=a.device, precision=a.precision, ctx_size=a.ctx_size,
                   threads=a.threads, kv_store_dir=kv_dir, kv_store_bytes=getattr(a, "cache_size", 1 << 30),
                   draft_path=str(resolve(draft)) if draft else None, spec=_spec_config(a))
+
+
+def _precision(a: argparse.Namespace) -> str:
+    from jllm.model.loader import default_precision, resolve_device
+
+    return a.precision or default_precision(resolve_device(a.device))
 
 
 def _spec_config(a: argparse.Namespace):
@@ -75,7 +80,7 @@ def _spec_config(a: argparse.Namespace):
         if env not in (None, "", "0", "1"):
             raise JllmError(f"JLLM_SPEC_DECODE must be 1 or 0, not {env!r}")
         on = env == "1" if env in ("0", "1") else bool(a.draft_model)
-        mode = "auto" if on or (a.draft_model and env != "0") else "none"
+        mode = "auto" if on else "none"
     if mode in ("draft", "draft+ngram") and not a.draft_model:
         raise JllmError(f"--spec {mode} needs a draft model (-md/--draft-model)")
     if a.draft_min < 1 or a.draft_max < a.draft_min:
@@ -364,9 +369,8 @@ def cmd_plan(a: argparse.Namespace) -> int:
     from jllm.plan import check_limit, plan, print_plan
     from jllm.store import resolve
 
-    precision = a.precision or ("int8" if a.device == "cpu" else "bf16")
     rows = plan(str(resolve(a.model)), str(resolve(a.draft_model)) if a.draft_model else None, a.ctx_size,
-                precision)
+                _precision(a))
     print_plan(rows, a.ctx_size)
     check_limit(rows, a.mem_limit)                # --mem-limit: fail if the total exceeds it
     return 0

@@ -93,7 +93,7 @@ class Engine:
         self.draft = None
         if draft_gguf is not None:
             self._load_draft(draft_gguf, spec)
-        self.spec_stats: dict | None = None
+        self.spec_stats = None                 # the last speculative run's SpecStats
         self.kv_store = None
         if kv_store_dir is not None:
             from jllm.cache.store import KVStore, model_fingerprint
@@ -155,13 +155,7 @@ class Engine:
         keep = min(common_prefix(self.cached_ids, ids), len(ids) - 1)   # evaluate >= 1 token for its logits
         if self.kv_store is not None:
             keep = self._hydrate(ids, conv_id, keep, timings)
-        self.cache.truncate(min(keep, self.cache.length))
-        self.cached_ids = self.cached_ids[:self.cache.length]
-        logits = None
-        for s in range(self.cache.length, len(ids), PREFILL_CHUNK):
-            chunk = ids[s:s + PREFILL_CHUNK]
-            logits = self.model.forward(torch.tensor(chunk, device=self.device), self.cache, last_only=True)[-1]
-            self.cached_ids.extend(chunk)
+        logits = fill_cache(self.model, self.cache, self.cached_ids, ids, min(keep, self.cache.length))
         return logits, len(ids) - keep
 
     def _hydrate(self, ids: list[int], conv_id: str | None, keep: int, timings: Timings | None) -> int:
@@ -198,11 +192,10 @@ class Engine:
             self.draft.sync(state.tokens)
             dk, dv = self.draft.cache.export(n)
             state.draft_k, state.draft_v = dk.cpu(), dv.cpu()
-        name = conv_id
 
         def save():
             try:
-                self.kv_store.save(name, state)
+                self.kv_store.save(conv_id, state)
             except (OSError, JllmError) as e:         # a full disk must not lose the reply
                 print(f"jllm: could not save the KV cache: {e}", file=sys.stderr)
 
@@ -291,6 +284,19 @@ class Engine:
                 out_ids.append(piece.token_id)
             parts.append(piece.text)
         return Result("".join(parts), out_ids, len(ids), self.finish_reason, timings)
+
+
+def fill_cache(model, cache, held: list[int], ids: list[int], keep: int) -> torch.Tensor:
+    """Cut `cache` back to its first `keep` tokens and evaluate ids[keep:] in chunks, so that it holds exactly
+    `ids`; `held`, the list of ids the cache holds, is updated in place. Returns the logits after ids[-1]."""
+    cache.truncate(keep)
+    del held[keep:]
+    logits = None
+    for s in range(keep, len(ids), PREFILL_CHUNK):
+        chunk = ids[s:s + PREFILL_CHUNK]
+        logits = model.forward(torch.tensor(chunk, device=model.device), cache, last_only=True)[-1]
+        held.extend(chunk)
+    return logits
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

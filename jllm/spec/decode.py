@@ -19,9 +19,9 @@ from typing import Iterator
 
 import torch
 
-from jllm.engine import common_prefix
+from jllm.engine import common_prefix, fill_cache
 from jllm.model.transformer import Transformer
-from jllm.sampling import SamplingParams, apply_repeat_penalty, probs
+from jllm.sampling import SamplingParams, make_generator, probs, sample
 from jllm.spec.ngram import NgramProposer
 from jllm.spec.rejection import draw, verify_greedy, verify_sampled
 
@@ -84,15 +84,7 @@ class DraftRunner:
     def sync(self, context: list[int]) -> torch.Tensor:
         """Make the cache hold `context`; returns the logits after its last token."""
         keep = min(common_prefix(self.ids, context), len(context) - 1)
-        self.cache.truncate(keep)
-        self.ids = self.ids[:keep]
-        new = context[keep:]
-        logits = None
-        for s in range(0, len(new), 256):
-            chunk = new[s:s + 256]
-            logits = self.model.forward(torch.tensor(chunk, device=self.device), self.cache, last_only=True)
-            self.ids.extend(chunk)
-        return logits[-1]
+        return fill_cache(self.model, self.cache, self.ids, context, keep)
 
     def propose(self, context: list[int], k: int, p_min: float, params: SamplingParams,
                 gen: torch.Generator | None) -> tuple[list[int], torch.Tensor | None]:
@@ -148,10 +140,10 @@ class SpeculativeDecoder:
 
     def tokens(self, logits: torch.Tensor, params: SamplingParams, budget: int) -> Iterator[int]:
         eng, cfg = self.engine, self.cfg
-        gen = torch.Generator().manual_seed(params.seed if params.seed is not None else torch.seed())
+        gen = make_generator(params.seed)
         history = list(eng.cached_ids)
         self.ngram.reset(history)
-        last = _sample(logits, params, history, gen)
+        last = sample(logits, params, history, gen)
         emitted = 0
         while True:
             history.append(last)
@@ -169,9 +161,7 @@ class SpeculativeDecoder:
             block = torch.tensor([last] + drafts, device=eng.device)
             out = eng.model.forward(block, eng.cache)                                    # [k+1, V]
             if params.greedy:
-                argmax = [int(torch.argmax(apply_repeat_penalty(out[i].float(), history + drafts[:i],
-                                                                params.repeat_penalty, params.repeat_last_n)))
-                          for i in range(len(drafts) + 1)]
+                argmax = [sample(out[i], params, history + drafts[:i], gen) for i in range(len(drafts) + 1)]
                 n, nxt = verify_greedy(drafts, argmax)
             else:
                 p = torch.stack([probs(out[i], params, history + drafts[:i]) for i in range(len(drafts) + 1)])
@@ -228,10 +218,3 @@ class DraftGate:
         c = seconds / max(tokens, 1)
         old = self.cost[arm]
         self.cost[arm] = c if old is None else self.decay * old + (1 - self.decay) * c
-
-
-def _sample(logits: torch.Tensor, params: SamplingParams, history: list[int], gen: torch.Generator) -> int:
-    if params.greedy:
-        return int(torch.argmax(apply_repeat_penalty(logits.float(), history, params.repeat_penalty,
-                                                     params.repeat_last_n)))
-    return int(draw(probs(logits, params, history)[None], gen)[0])
