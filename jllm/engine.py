@@ -122,7 +122,9 @@ class Engine:
         from jllm.spec.decode import DraftRunner, SpecConfig
 
         spec = spec or SpecConfig()
-        precision = spec.draft_precision if self.device.type == "cpu" else self.precision
+        precision = self.precision
+        if self.device.type == "cpu" and precision in ("int8", "int8-fast"):
+            precision = spec.draft_precision        # the draft only proposes: one activation pass is enough
         draft_model = load_model(dg, self.device, precision, max_positions=self.ctx_size,
                                  output_rows=spec.draft_vocab or None)
         self.draft = DraftRunner(draft_model, self.ctx_size)

@@ -13,6 +13,7 @@ from jllm.model.config import config_from_gguf
 
 RUNTIME_BYTES = 350 << 20      # python + torch + tokenizer, measured: RSS of an engine on a tiny model
 BYTES_PER_WEIGHT = {"exact": 4, "int8": 1, "int8-fast": 1, "bf16": 2, "f16": 2}
+NATIVE_4BIT, NATIVE_8BIT = 0.625, 1.125      # qlinear.py: 4-bit tiles for Q4_0/Q4_1/Q4_K, 8-bit for the rest
 
 
 @dataclass
@@ -30,8 +31,14 @@ class Budget:
 def model_budget(g: GGUFFile, precision: str, ctx: int, output_rows: int | None = None,
                  verify_tokens: int = 9) -> Budget:
     cfg = config_from_gguf(g.metadata, set(g.tensors), str(g.path))
-    per = BYTES_PER_WEIGHT[precision]
-    scale_bytes = 4 if per == 1 else 0              # int8: one f32 scale per output row
+    from jllm.model.qlinear import FOUR_BIT
+
+    def per_weight(t) -> float:
+        if precision == "native":
+            return NATIVE_4BIT if t.ggml_type in FOUR_BIT else NATIVE_8BIT
+        return BYTES_PER_WEIGHT[precision]
+
+    scale_bytes = 4 if precision in ("int8", "int8-fast") else 0     # int8: one f32 scale per output row
     weights = 0
     for name, t in g.tensors.items():
         if len(t.shape) != 2 or name == "token_embd.weight":
@@ -40,10 +47,10 @@ def model_budget(g: GGUFFile, precision: str, ctx: int, output_rows: int | None 
         rows, cols = t.shape
         if name == "output.weight" and output_rows:
             rows = min(rows, output_rows)
-        weights += rows * (cols * per + scale_bytes)
+        weights += int(rows * (cols * per_weight(t) + scale_bytes))
     if cfg.tied_embeddings:                          # the output layer is a converted copy of the embedding
         rows = min(cfg.vocab_size, output_rows or cfg.vocab_size)
-        weights += rows * (cfg.hidden * per + scale_bytes)
+        weights += int(rows * (cfg.hidden * per_weight(g.tensors["token_embd.weight"]) + scale_bytes))
     kv = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * ctx * 4
     vocab = min(cfg.vocab_size, output_rows or cfg.vocab_size)
     scratch = (verify_tokens * vocab * 4                          # logits of a verify pass

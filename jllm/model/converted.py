@@ -26,7 +26,8 @@ import torch
 
 MAGIC = b"JLLMW\x00\x02\x00"
 VERSION = 2
-_DTYPES = {"int8": (torch.int8, np.int8), "float32": (torch.float32, np.float32)}
+_DTYPES = {"int8": (torch.int8, np.int8), "float32": (torch.float32, np.float32), "uint8": (torch.uint8, np.uint8),
+           "int64": (torch.int64, np.int64), "bool": (torch.bool, np.bool_)}
 
 
 def cache_key(gguf_path: Path, precision: str) -> str:

@@ -26,7 +26,11 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 
 def default_precision(device: torch.device) -> str:
-    return "int8" if device.type == "cpu" else "bf16"
+    if device.type != "cpu":
+        return "bf16"
+    from jllm.model.weights import native_supported
+
+    return "native" if native_supported() else "int8"
 
 
 def load_model(path: str | os.PathLike | GGUFFile, device: str | torch.device | None = "cpu",

@@ -22,14 +22,18 @@ from jllm.gguf.reader import GGUFFile
 from jllm.model.config import ModelConfig
 from jllm.model.converted import ConvertedWriter, open_converted
 from jllm.model.linear import DenseLinear, Int8Linear, int8_supported, quantize_weight_int8
+from jllm.model.qlinear import PackedMatrix, QLinear, pack_gguf_rows
 
 # exact: f32 dequantized weights, f32 activations (the oracle path, 4 bytes per weight)
 # int8: int8 weights, two-pass int8 activations (default on CPU; within 0.002 nats KL of exact)
 # int8-fast: int8 weights, one-pass int8 activations (half the GEMM rows: faster prefill and verify,
 #            ~0.02 nats KL from exact)
+# native: the GGUF's own 4-bit and 8-bit blocks, int8 activations per block of 32, on jllm's AVX-512 VNNI
+#         kernel (model/qlinear.py; default on CPUs that have it: 0.625 bytes per 4-bit weight)
 # bf16 / f16: half-precision weights (CUDA)
-PRECISIONS = ("exact", "int8", "int8-fast", "bf16", "f16")
+PRECISIONS = ("exact", "native", "int8", "int8-fast", "bf16", "f16")
 INT8 = ("int8", "int8-fast")
+CONVERTED = INT8 + ("native",)          # precisions whose converted matrices are cached on disk
 _ROWS_PER_CHUNK = 8192
 _CONVERT_VALUES = 1 << 20          # values per conversion chunk: 4 MB of f32, stays in cache
 
@@ -86,11 +90,17 @@ class _Builder:
             raise JllmError(f"unknown precision {precision!r} (choose from {', '.join(PRECISIONS)})")
         if precision in INT8 and (device.type != "cpu" or not int8_supported()):
             raise JllmError(f"precision {precision} needs an x86 CPU with FBGEMM; use --precision bf16 on this device")
+        if precision == "native" and (device.type != "cpu" or not native_supported()):
+            from jllm.kernels import why_unavailable
+
+            raise JllmError(f"precision native needs jllm's CPU kernels: {why_unavailable() or 'not on this device'}; "
+                            "use --precision int8")
         self.gguf, self.precision, self.device = gguf, precision, device
         self.reader = self.writer = None
-        if precision in INT8 and use_cache:
+        if precision in CONVERTED and use_cache:
             try:
-                self.reader, path = open_converted(gguf.path, "int8")     # both int8 modes share the weights
+                kind = "native" if precision == "native" else "int8"     # both int8 modes share the weights
+                self.reader, path = open_converted(gguf.path, kind)
                 if self.reader is None:
                     self.writer = ConvertedWriter(path, {"gguf": str(gguf.path), "precision": precision})
             except OSError:
@@ -155,6 +165,28 @@ class _Builder:
             self.writer.add(key + ":scale", scale)
         return q, scale
 
+    def _native_matrix(self, names: list[str], max_rows: int | None, bias: torch.Tensor | None) -> QLinear:
+        key = "+".join(names) + (f"[:{max_rows}]" if max_rows else "")
+        infos = [self._matrix_info(n) for n in names]
+        cols = infos[0].shape[1]
+        if self.reader is not None and key + ":data" in self.reader.tensors:
+            data, offsets, four = (self.reader.get(key + part) for part in (":data", ":offsets", ":four"))
+            rows = int(self.reader.get(key + ":rows")[0])
+            return QLinear(data, offsets, four, rows, cols, bias)
+        matrix = PackedMatrix(cols)
+        for info in infos:
+            rows = min(max_rows, info.shape[0]) if max_rows else info.shape[0]
+            raw = self.gguf.raw(info.name)[:info.nbytes // info.shape[0] * rows]
+            pack_gguf_rows(matrix, raw, info.ggml_type, rows)
+            self.gguf.release(info.name)
+        rows = matrix.rows
+        data, offsets, four = matrix.pack()
+        if self.writer is not None:
+            for part, t in ((":data", data), (":offsets", offsets), (":four", four),
+                            (":rows", torch.tensor([rows], dtype=torch.int64))):
+                self.writer.add(key + part, t)
+        return QLinear(data, offsets, four, rows, cols, bias)
+
     def _matrix_info(self, name: str):
         if not self.has(name):
             raise JllmError(f"{self.gguf.path}: tensor {name!r} is missing")
@@ -174,6 +206,8 @@ class _Builder:
                 parts.append(self.vector(b) if b and self.has(b) else
                              torch.zeros(self.gguf.tensors[name].shape[0], device=self.device))
             bias = torch.cat(parts)
+        if self.precision == "native":
+            return self._native_matrix(names, max_rows, bias)
         if self.precision in INT8:
             q, scale = self._int8_matrix(names, max_rows)
             return Int8Linear(q, scale, bias, residual=self.precision == "int8")
@@ -232,6 +266,12 @@ def load_weights(gguf: GGUFFile, cfg: ModelConfig, precision: str, device: torch
             pass                                     # no room for the cache: next load converts again
     _release_memory()
     return weights
+
+
+def native_supported() -> bool:
+    from jllm.kernels import qgemm
+
+    return qgemm() is not None
 
 
 def _release_memory(collect: bool = True) -> None:

@@ -37,7 +37,7 @@ class SpecConfig:
     ngram_min_match: int = 2    # n-gram proposals need a suffix match at least this long to be used
     draft_vocab: int = 32768    # FR-Spec: the draft scores only the first N token ids (BPE ids rise with
                                 # merge rank, roughly falling frequency); the target still verifies over all
-    draft_precision: str = "int8-fast"   # the draft only proposes: one int8 activation pass is enough
+    draft_precision: str = "int8-fast"   # for an int8 target (a native target keeps native: it is faster)
 
 
 @dataclass

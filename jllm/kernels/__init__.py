@@ -1,0 +1,86 @@
+"""Native CPU kernels, compiled on first use with torch's C++ extension builder and cached on disk.
+
+Why hand-written: no library offers a batch-invariant matrix multiply over 4-bit block-quantized weights on
+x86. FBGEMM's int8 linear reads 1 byte per weight and picks one activation scale per call; torch's int4
+kernels grow with the number of rows. The verify pass of speculative decoding needs the cost of k + 1 rows
+to stay near that of one and every row's result to be independent of the others (qgemm.cpp explains how).
+
+The build needs a C++ compiler (g++) and the Python headers, which is what `pip install` of any package with
+native code needs; it takes ~25 s once per torch version, after which the module loads in well under a
+second. Without a compiler, or on a CPU without AVX-512 VNNI, `qgemm()` returns None and callers fall back
+to the FBGEMM int8 path, after one line on stderr saying why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import threading
+from pathlib import Path
+
+_SOURCE = Path(__file__).with_name("qgemm.cpp")
+_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mf16c",
+          "-ffp-contract=off", "-fopenmp"]    # OpenMP: at::parallel_for shares torch's own thread pool
+_lock = threading.Lock()
+_module = None
+_tried = False
+_why_not: str | None = None
+
+
+def _cpu_has_vnni() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    line = next((ln for ln in flags.splitlines() if ln.startswith("flags")), "")
+    have = set(line.split())
+    return {"avx512f", "avx512bw", "avx512_vnni"} <= have
+
+
+def build_dir() -> Path:
+    import torch
+
+    from jllm.store import models_dir
+
+    ident = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode() + torch.__version__.encode())
+    base = os.environ.get("JLLM_KERNELS_DIR") or models_dir().parent / "kernels"
+    return Path(base) / ident.hexdigest()[:16]
+
+
+def qgemm():
+    """The compiled kernel module (qmatmul, cpu_supported), or None where it cannot run here."""
+    global _module, _tried, _why_not
+    with _lock:
+        if _tried:
+            return _module
+        _tried = True
+        if os.environ.get("JLLM_NO_KERNELS"):
+            _why_not = "JLLM_NO_KERNELS is set"
+            return None
+        if not _cpu_has_vnni():
+            _why_not = "this CPU lacks AVX-512 VNNI"
+            return None
+        try:
+            import torch.utils.cpp_extension as ext
+
+            out = build_dir()
+            out.mkdir(parents=True, exist_ok=True)
+            fresh = not any(out.glob("*.so"))
+            if fresh:
+                print("jllm: compiling the CPU kernels (once, about 30 s)...", file=sys.stderr, flush=True)
+            mod = ext.load(name="jllm_qgemm", sources=[str(_SOURCE)], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
+                           build_directory=str(out), verbose=False)
+            if not mod.cpu_supported():
+                _why_not = "this CPU lacks AVX-512 VNNI"
+                return None
+            _module = mod
+        except Exception as e:                       # no compiler, no headers, read-only disk, ...
+            _why_not = f"the kernels could not be built ({str(e).strip().splitlines()[-1][:200] if str(e).strip() else type(e).__name__})"
+            print(f"jllm: {_why_not}; using the slower FBGEMM int8 path", file=sys.stderr)
+        return _module
+
+
+def why_unavailable() -> str | None:
+    qgemm()
+    return _why_not

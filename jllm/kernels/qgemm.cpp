@@ -1,0 +1,170 @@
+// Block-quantized matrix multiply for x86 CPUs with AVX-512 VNNI: y[M, N] = x[M, K] @ W[N, K]^T (+ bias).
+//
+// Weights (made by jllm/model/qlinear.py): tiles of 16 output rows; a tile is a sequence of blocks of 32
+// inputs, each holding 16 x 32 unsigned integer weights q with one (scale s, min m) pair per output row,
+// the value being s * q - m. A tile is 4-bit (q in 0..15, two values per byte) or 8-bit (q in 0..255).
+// Per block:
+//     4-bit: 4 x 64 bytes. Register j holds, for each of the 16 rows o, bytes o*4 .. o*4+3: the low nibbles
+//            are inputs 4j .. 4j+3 of the block, the high nibbles inputs 4(j+4) .. 4(j+4)+3.
+//     8-bit: 8 x 64 bytes. Register g holds bytes o*4 + i = q[o][4g + i].
+//     then  16 x f16 scales, 16 x f16 mins.
+// One `vpdpbusd` multiplies a register of weights with four activation bytes broadcast to all 16 rows.
+//
+// Activations: each row of x is quantized on its own, per block of 32, to int8 in [-127, 127] with scale
+// dx = amax / 127; bsx = dx * sum(q) carries the min term. So
+//     y[r][o] = sum_b ( s[o][b] * dx[r][b] * sum_i q_w * q_x  -  m[o][b] * bsx[r][b] ).
+// Every row goes through the same instructions in the same order whatever the other rows are: the result is
+// batch-invariant by construction (integer sums are exact; float sums run over blocks in a fixed order).
+// The weights of a group of tiles are read once from memory and reused from cache for all rows.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+constexpr int kRows = 8;          // activation rows computed together against one tile (up to kMaxRows when
+constexpr int kMaxRows = 10;      // that covers the whole call: a verify pass of k + 1 <= 10 rows is one chunk)
+#ifndef JLLM_PREFETCH
+#define JLLM_PREFETCH 2048
+#endif
+constexpr int kPrefetch = JLLM_PREFETCH;   // bytes ahead of the block being computed
+
+inline float hmax(__m512 v) { return _mm512_reduce_max_ps(v); }
+
+// x: [M, K] f32 -> xq [M, K] int8, dx [M, K/32], bsx [M, K/32]
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* bsx) {
+    const int64_t nb = K / 32;
+    for (int64_t r = 0; r < M; ++r) {
+        for (int64_t b = 0; b < nb; ++b) {
+            const float* p = x + r * K + b * 32;
+            __m512 a0 = _mm512_loadu_ps(p), a1 = _mm512_loadu_ps(p + 16);
+            float amax = hmax(_mm512_max_ps(_mm512_abs_ps(a0), _mm512_abs_ps(a1)));
+            float d = amax / 127.0f;
+            float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+            __m512 vid = _mm512_set1_ps(id);
+            __m512i q0 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(a0, vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            __m512i q1 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(a1, vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            _mm_storeu_si128((__m128i*)(xq + r * K + b * 32), _mm512_cvtsepi32_epi8(q0));
+            _mm_storeu_si128((__m128i*)(xq + r * K + b * 32 + 16), _mm512_cvtsepi32_epi8(q1));
+            int s = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+            dx[r * nb + b] = d;
+            bsx[r * nb + b] = d * (float)s;
+        }
+    }
+}
+
+template <int R>
+inline void tile_rows(const uint8_t* w, bool four, int64_t nb, const int8_t* xq, const float* dx,
+                      const float* bsx, int64_t K, float* y, int64_t ldy, int valid, const float* bias) {
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    const uint8_t* p = w;
+    for (int64_t b = 0; b < nb; ++b) {
+        __m512i ia[R];
+        for (int r = 0; r < R; ++r) ia[r] = _mm512_setzero_si512();
+        // Ask for the weights a few blocks ahead, so memory streams while this block computes.
+        for (int l = 0; l < (four ? 5 : 9); ++l) _mm_prefetch((const char*)p + kPrefetch + 64 * l, _MM_HINT_T0);
+        const int32_t* xb[R];
+        for (int r = 0; r < R; ++r) xb[r] = (const int32_t*)(xq + r * K + b * 32);
+        if (four) {
+            for (int j = 0; j < 4; ++j) {
+                __m512i v = _mm512_loadu_si512(p + 64 * j);
+                __m512i lo = _mm512_and_si512(v, low);
+                __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                for (int r = 0; r < R; ++r) {
+                    ia[r] = _mm512_dpbusd_epi32(ia[r], lo, _mm512_set1_epi32(xb[r][j]));
+                    ia[r] = _mm512_dpbusd_epi32(ia[r], hi, _mm512_set1_epi32(xb[r][j + 4]));
+                }
+            }
+            p += 256;
+        } else {
+            for (int g = 0; g < 8; ++g) {
+                __m512i v = _mm512_loadu_si512(p + 64 * g);
+                for (int r = 0; r < R; ++r)
+                    ia[r] = _mm512_dpbusd_epi32(ia[r], v, _mm512_set1_epi32(xb[r][g]));
+            }
+            p += 512;
+        }
+        __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+        __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p + 32)));
+        p += 64;
+        for (int r = 0; r < R; ++r) {
+            __m512 t = _mm512_mul_ps(sc, _mm512_set1_ps(dx[r * nb + b]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[r]), t, acc[r]);
+            acc[r] = _mm512_fnmadd_ps(mn, _mm512_set1_ps(bsx[r * nb + b]), acc[r]);
+        }
+    }
+    const __mmask16 mask = valid >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << valid) - 1);
+    __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy, mask, _mm512_add_ps(acc[r], bv));
+}
+
+using TileFn = void (*)(const uint8_t*, bool, int64_t, const int8_t*, const float*, const float*, int64_t,
+                        float*, int64_t, int, const float*);
+constexpr TileFn kTile[kMaxRows + 1] = {nullptr, tile_rows<1>, tile_rows<2>, tile_rows<3>, tile_rows<4>,
+                                        tile_rows<5>, tile_rows<6>, tile_rows<7>, tile_rows<8>, tile_rows<9>,
+                                        tile_rows<10>};
+
+}  // namespace
+
+// x: [M, K] f32; data: uint8 (all tiles); offsets: int64 [T + 1] byte offset of each tile; four: bool [T]
+// (4-bit tile or 8-bit); n: output features (<= 16 T); bias: [n] f32 or empty. -> y [M, n] f32
+torch::Tensor qmatmul(torch::Tensor x, torch::Tensor data, torch::Tensor offsets, torch::Tensor four,
+                      int64_t n, torch::Tensor bias, int64_t group_bytes) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [M, K] float32");
+    x = x.contiguous();
+    const int64_t M = x.size(0), K = x.size(1);
+    TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32");
+    const int64_t T = offsets.size(0) - 1;
+    TORCH_CHECK(n <= 16 * T && n > 16 * (T - 1), "n does not match the tiles");
+    const int64_t nb = K / 32;
+    auto xq = torch::empty({M, K}, torch::kInt8);
+    auto dx = torch::empty({M, nb}, torch::kFloat32);
+    auto bsx = torch::empty({M, nb}, torch::kFloat32);
+    quantize_rows(x.data_ptr<float>(), M, K, xq.data_ptr<int8_t>(), dx.data_ptr<float>(), bsx.data_ptr<float>());
+    auto y = torch::empty({M, n}, torch::kFloat32);
+    const uint8_t* w = data.data_ptr<uint8_t>();
+    const int64_t* off = offsets.data_ptr<int64_t>();
+    const bool* fr = four.data_ptr<bool>();
+    const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
+    const int8_t* xqp = xq.data_ptr<int8_t>();
+    const float* dxp = dx.data_ptr<float>();
+    const float* bsp = bsx.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    // Tiles are processed in groups whose weights stay in cache while every row chunk passes over them.
+    const int64_t tile_bytes = std::max<int64_t>(1, (off[T] - off[0]) / T);
+    const int64_t group = std::max<int64_t>(1, group_bytes / tile_bytes);
+    const int64_t ngroups = (T + group - 1) / group;
+    at::parallel_for(0, ngroups, 1, [&](int64_t g0, int64_t g1) {
+        for (int64_t g = g0; g < g1; ++g) {
+            const int64_t t0 = g * group, t1 = std::min(T, t0 + group);
+            const int64_t chunk = M <= kMaxRows ? M : kRows;
+            for (int64_t r0 = 0; r0 < M; r0 += chunk) {
+                const int rows = (int)std::min<int64_t>(chunk, M - r0);
+                for (int64_t t = t0; t < t1; ++t) {
+                    const int valid = (int)std::min<int64_t>(16, n - 16 * t);
+                    kTile[rows](w + off[t], fr[t], nb, xqp + r0 * K, dxp + r0 * nb, bsp + r0 * nb, K,
+                                yp + r0 * n + 16 * t, n, valid, bp ? bp + 16 * t : nullptr);
+                }
+            }
+        }
+    });
+    return y;
+}
+
+bool cpu_supported() {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vnni");
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.def("qmatmul", &qmatmul, "block-quantized matmul (AVX-512 VNNI)");
+    m.def("cpu_supported", &cpu_supported, "whether this CPU runs the kernels");
+}
