@@ -40,6 +40,8 @@ def model_budget(g: GGUFFile, precision: str, ctx: int, output_rows: int | None 
 
     scale_bytes = 4 if precision in ("int8", "int8-fast") else 0     # int8: one f32 scale per output row
     weights = 0
+    if precision == "native":
+        return Budget(g.path.name, _native_weights(g, cfg, output_rows), _kv(cfg, ctx), _scratch(cfg, ctx, output_rows, verify_tokens))
     for name, t in g.tensors.items():
         if len(t.shape) != 2 or name == "token_embd.weight":
             weights += t.n_elements * 4 if len(t.shape) == 1 else 0      # norms and biases in f32
@@ -51,12 +53,38 @@ def model_budget(g: GGUFFile, precision: str, ctx: int, output_rows: int | None 
     if cfg.tied_embeddings:                          # the output layer is a converted copy of the embedding
         rows = min(cfg.vocab_size, output_rows or cfg.vocab_size)
         weights += int(rows * (cfg.hidden * per_weight(g.tensors["token_embd.weight"]) + scale_bytes))
-    kv = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * ctx * 4
+    return Budget(g.path.name, weights, _kv(cfg, ctx), _scratch(cfg, ctx, output_rows, verify_tokens))
+
+
+def _kv(cfg, ctx: int) -> int:
+    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * ctx * 4
+
+
+def _scratch(cfg, ctx: int, output_rows: int | None, verify_tokens: int) -> int:
     vocab = min(cfg.vocab_size, output_rows or cfg.vocab_size)
-    scratch = (verify_tokens * vocab * 4                          # logits of a verify pass
-               + 256 * (2 * cfg.ffn + 4 * cfg.hidden) * 4 * 2     # a prefill chunk's activations
-               + 2 * ctx * cfg.rope_dim * 4)                      # RoPE tables
-    return Budget(g.path.name, weights, kv, scratch)
+    return (verify_tokens * vocab * 4                          # logits of a verify pass
+            + 256 * (2 * cfg.ffn + 4 * cfg.hidden) * 4 * 2     # a prefill chunk's activations
+            + 2 * ctx * cfg.rope_dim * 4)                      # RoPE tables
+
+
+def _native_weights(g: GGUFFile, cfg, output_rows: int | None) -> int:
+    """The native kernel's packed matrices, fused as weights.py fuses them, plus norms and biases in f32."""
+    from jllm.model.qlinear import FOUR_BIT, packed_bytes
+
+    t = g.tensors
+
+    def fused(names: list[str], max_rows: int | None = None) -> int:
+        parts = [(min(max_rows, t[n].shape[0]) if max_rows else t[n].shape[0], t[n].ggml_type in FOUR_BIT)
+                 for n in names]
+        return packed_bytes(parts, t[names[0]].shape[1])
+
+    total = sum(x.n_elements * 4 for x in t.values() if len(x.shape) == 1)
+    for i in range(cfg.n_layers):
+        p = f"blk.{i}."
+        total += (fused([p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"])
+                  + fused([p + "attn_output.weight"]) + fused([p + "ffn_gate.weight", p + "ffn_up.weight"])
+                  + fused([p + "ffn_down.weight"]))
+    return total + fused(["token_embd.weight" if cfg.tied_embeddings else "output.weight"], output_rows)
 
 
 def plan(target: str, draft: str | None, ctx: int, precision: str, draft_precision: str = "int8-fast",

@@ -184,18 +184,20 @@ def test_exact_after_rollback(tiny):
 # ------------------------------------------------------------------------------ jllm, int8 path
 
 
-def test_int8_argmax_agrees_with_oracle(tiny):
+@pytest.mark.parametrize("precision", ["int8", "native"])
+def test_int8_argmax_agrees_with_oracle(tiny, precision):
     ref, ids, expected = tiny
-    got = run(load(ref, "int8"), ids, [SEQ_LEN])
+    got = run(load(ref, precision), ids, [SEQ_LEN])
     agree = (got.argmax(-1) == expected.argmax(-1)).float().mean().item()
     assert agree >= INT8_ARGMAX_AGREEMENT, (f"int8 argmax agrees with the oracle at {agree:.0%} of positions "
                                             f"(max |diff| {(got - expected).abs().max().item():.3g})")
 
 
-def test_int8_batched_equals_sequential_bitwise(tiny):
+@pytest.mark.parametrize("precision", ["int8", "native"])
+def test_int8_batched_equals_sequential_bitwise(tiny, precision):
     """Verifying k draft tokens in one pass must give exactly the logits of decoding them one by one."""
     ref, ids, _ = tiny
-    model = load(ref, "int8")
+    model = load(ref, precision)
     batched = run(model, ids, [SEQ_LEN])
     for chunks, what in (([1] * SEQ_LEN, "token by token"), ([PREFILL, SEQ_LEN - PREFILL], "two chunks")):
         other = run(model, ids, chunks)

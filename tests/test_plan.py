@@ -8,13 +8,14 @@ from jllm.plan import check_limit, plan, total_bytes
 from synthetic import write_tiny_model
 
 
+@pytest.mark.parametrize("precision", ["int8", "native"])
 @pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
-def test_planned_weights_and_kv_match_the_engine(arch, tmp_path, monkeypatch):
+def test_planned_weights_and_kv_match_the_engine(arch, precision, tmp_path, monkeypatch):
     monkeypatch.setenv("JLLM_CONVERTED_DIR", str(tmp_path / "conv"))
     path = tmp_path / f"{arch}.gguf"
     write_tiny_model(path, arch)
-    (row,) = plan(str(path), None, ctx=128, precision="int8")
-    eng = Engine(str(path), ctx_size=128, threads=1)
+    (row,) = plan(str(path), None, ctx=128, precision=precision)
+    eng = Engine(str(path), ctx_size=128, threads=1, precision=precision)
     norms = sum(t.n_elements * 4 for t in eng.gguf.tensors.values() if len(t.shape) == 1)
     assert row.weights == eng.model.w.nbytes() + norms
     assert row.kv == eng.cache.nbytes()

@@ -41,10 +41,10 @@ def _cpu_has_vnni() -> bool:
 def build_dir() -> Path:
     import torch
 
-    from jllm.store import models_dir
+    import platformdirs
 
     ident = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode() + torch.__version__.encode())
-    base = os.environ.get("JLLM_KERNELS_DIR") or models_dir().parent / "kernels"
+    base = os.environ.get("JLLM_KERNELS_DIR") or Path(platformdirs.user_cache_dir("jllm")) / "kernels"
     return Path(base) / ident.hexdigest()[:16]
 
 

@@ -152,6 +152,14 @@ class PackedMatrix:
         return nb * ((256 if four else 512) + 4 * TILE)
 
 
+def packed_bytes(parts: list[tuple[int, bool]], cols: int) -> int:
+    """Bytes PackedMatrix.pack will produce for row blocks [(rows, four)] of width cols (for `jllm plan`)."""
+    flags = [f for rows, f in parts for _ in range(rows)]
+    flags += [True] * (-len(flags) % TILE)
+    nb = cols // BLOCK
+    return sum(nb * ((256 if all(flags[i:i + TILE]) else 512) + 4 * TILE) for i in range(0, len(flags), TILE))
+
+
 def pack_gguf_rows(matrix: PackedMatrix, raw: np.ndarray | torch.Tensor, ggml_type: T, rows: int) -> None:
     """Append the rows of one GGUF matrix (raw bytes) to `matrix`, converting _ROWS rows at a time."""
     data = quants._as_bytes(raw)

@@ -168,8 +168,10 @@ class SpeculativeDecoder:
                 if kind == "draft" and q is not None and q.shape[-1] < p.shape[-1]:
                     q = torch.nn.functional.pad(q, (0, p.shape[-1] - q.shape[-1]))   # subset vocab: zeros beyond
                 n, nxt = verify_sampled(drafts, q if kind == "draft" else None, p, gen)
-            eng.cache.truncate(before + 1 + n)
-            eng.cached_ids = eng.cached_ids[:before] + [last] + drafts[:n]
+            stop = next((j for j in range(n) if drafts[j] in eng.tokenizer.eot_ids), None)
+            keep = n if stop is None else stop        # like plain decoding, never keep an end-of-turn token
+            eng.cache.truncate(before + 1 + keep)
+            eng.cached_ids = eng.cached_ids[:before] + [last] + drafts[:keep]
             self.stats.verify_s += time.perf_counter() - t0
             if kind != "ngram" or not drafts:          # n-gram rounds are free to propose: not the gate's business
                 self.gate.record("draft" if kind == "draft" else "plain", time.perf_counter() - t_round, n + 1)
