@@ -19,7 +19,7 @@ import sys
 import threading
 from pathlib import Path
 
-_SOURCE = Path(__file__).with_name("qgemm.cpp")
+_SOURCES = [Path(__file__).with_name(n) for n in ("qgemm.cpp", "attention.cpp")]
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mf16c",
           "-ffp-contract=off", "-fopenmp"]    # OpenMP: at::parallel_for shares torch's own thread pool
 _lock = threading.Lock()
@@ -43,7 +43,8 @@ def build_dir() -> Path:
 
     import platformdirs
 
-    ident = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode() + torch.__version__.encode())
+    ident = hashlib.sha256(b"".join(s.read_bytes() for s in _SOURCES) + " ".join(_FLAGS).encode()
+                           + torch.__version__.encode())
     base = os.environ.get("JLLM_KERNELS_DIR") or Path(platformdirs.user_cache_dir("jllm")) / "kernels"
     return Path(base) / ident.hexdigest()[:16]
 
@@ -69,7 +70,7 @@ def qgemm():
             fresh = not any(out.glob("*.so"))
             if fresh:
                 print("jllm: compiling the CPU kernels (once, about 30 s)...", file=sys.stderr, flush=True)
-            mod = ext.load(name="jllm_qgemm", sources=[str(_SOURCE)], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
+            mod = ext.load(name="jllm_qgemm", sources=[str(s) for s in _SOURCES], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
                            build_directory=str(out), verbose=False)
             if not mod.cpu_supported():
                 _why_not = "this CPU lacks AVX-512 VNNI"

@@ -158,6 +158,9 @@ torch::Tensor qmatmul(torch::Tensor x, torch::Tensor data, torch::Tensor offsets
     return y;
 }
 
+torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t start, int64_t window,
+                        double scale);   // attention.cpp
+
 bool cpu_supported() {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -166,5 +169,6 @@ bool cpu_supported() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("qmatmul", &qmatmul, "block-quantized matmul (AVX-512 VNNI)");
+    m.def("attention", &attention, "causal attention over the cache, one (query, head) at a time");
     m.def("cpu_supported", &cpu_supported, "whether this CPU runs the kernels");
 }

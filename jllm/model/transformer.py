@@ -51,6 +51,11 @@ class Transformer:
         self.rope_global = rope_table(cfg, cfg.rope_base, cfg.rope_scale, n, device)
         self.rope_local = rope_table(cfg, cfg.rope_base_local, 1.0, n, device) if cfg.sliding_window else None
         self.embed_scale = math.sqrt(cfg.hidden) if cfg.traits.embed_scale else None
+        self.kernels = None
+        if device.type == "cpu":
+            from jllm.kernels import qgemm
+
+            self.kernels = qgemm()
 
     def new_cache(self, max_tokens: int) -> KVCache:
         c = self.cfg
@@ -106,6 +111,8 @@ class Transformer:
         """q: [T, H, hd] for positions start..start+T-1 -> [T, H * hd], one query at a time (see module doc)."""
         c = self.cfg
         T = q.shape[0]
+        if self.kernels is not None:                      # jllm's CPU kernel: same contract, one call
+            return self.kernels.attention(q, cache.k[layer], cache.v[layer], start, window, c.attn_scale)
         K, V = cache.k[layer].unsqueeze(0), cache.v[layer].unsqueeze(0)       # [1, Hk, max, hd]
         if T > 1 and q.device.type != "cpu":
             return self._attention_batched(q, K, V, start, window)
