@@ -122,9 +122,7 @@ class Engine:
         from jllm.spec.decode import DraftRunner, SpecConfig
 
         spec = spec or SpecConfig()
-        precision = self.precision
-        if self.device.type == "cpu" and precision in ("int8", "int8-fast"):
-            precision = spec.draft_precision        # the draft only proposes: one activation pass is enough
+        precision = spec.draft_precision_for(self.precision)
         draft_model = load_model(dg, self.device, precision, max_positions=self.ctx_size,
                                  output_rows=spec.draft_vocab or None)
         self.draft = DraftRunner(draft_model, self.ctx_size)

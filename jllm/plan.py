@@ -34,14 +34,16 @@ def model_budget(g: GGUFFile, precision: str, ctx: int, output_rows: int | None 
     from jllm.model.qlinear import FOUR_BIT
 
     def per_weight(t) -> float:
+        if precision == "native4":
+            return NATIVE_4BIT
         if precision == "native":
             return NATIVE_4BIT if t.ggml_type in FOUR_BIT else NATIVE_8BIT
         return BYTES_PER_WEIGHT[precision]
 
     scale_bytes = 4 if precision in ("int8", "int8-fast") else 0     # int8: one f32 scale per output row
     weights = 0
-    if precision == "native":
-        return Budget(g.path.name, _native_weights(g, cfg, output_rows), _kv(cfg, ctx), _scratch(cfg, ctx, output_rows, verify_tokens))
+    if precision in ("native", "native4"):
+        return Budget(g.path.name, _native_weights(g, cfg, output_rows, precision == "native4"), _kv(cfg, ctx), _scratch(cfg, ctx, output_rows, verify_tokens))
     for name, t in g.tensors.items():
         if len(t.shape) != 2 or name == "token_embd.weight":
             weights += t.n_elements * 4 if len(t.shape) == 1 else 0      # norms and biases in f32
@@ -67,14 +69,14 @@ def _scratch(cfg, ctx: int, output_rows: int | None, verify_tokens: int) -> int:
             + 2 * ctx * cfg.rope_dim * 4)                      # RoPE tables
 
 
-def _native_weights(g: GGUFFile, cfg, output_rows: int | None) -> int:
+def _native_weights(g: GGUFFile, cfg, output_rows: int | None, all_four: bool = False) -> int:
     """The native kernel's packed matrices, fused as weights.py fuses them, plus norms and biases in f32."""
     from jllm.model.qlinear import FOUR_BIT, packed_bytes
 
     t = g.tensors
 
     def fused(names: list[str], max_rows: int | None = None) -> int:
-        parts = [(min(max_rows, t[n].shape[0]) if max_rows else t[n].shape[0], t[n].ggml_type in FOUR_BIT)
+        parts = [(min(max_rows, t[n].shape[0]) if max_rows else t[n].shape[0], all_four or t[n].ggml_type in FOUR_BIT)
                  for n in names]
         return packed_bytes(parts, t[names[0]].shape[1])
 
@@ -87,12 +89,14 @@ def _native_weights(g: GGUFFile, cfg, output_rows: int | None) -> int:
     return total + fused(["token_embd.weight" if cfg.tied_embeddings else "output.weight"], output_rows)
 
 
-def plan(target: str, draft: str | None, ctx: int, precision: str, draft_precision: str = "int8-fast",
+def plan(target: str, draft: str | None, ctx: int, precision: str, draft_precision: str = "auto",
          draft_vocab: int | None = 32768) -> list[Budget]:
+    from jllm.spec.decode import draft_precision_for
+
     rows = [model_budget(read_gguf(target), precision, ctx)]
     if draft:
-        rows.append(model_budget(read_gguf(draft), draft_precision if precision in ("int8", "int8-fast")
-                                 else precision, ctx, output_rows=draft_vocab))
+        rows.append(model_budget(read_gguf(draft), draft_precision_for(precision, draft_precision), ctx,
+                                 output_rows=draft_vocab))
     return rows
 
 

@@ -48,12 +48,25 @@ def _requantize(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return q, s, s * 128.0
 
 
-def block_codes(raw: torch.Tensor, ggml_type: T, rows: int, cols: int
+def _requantize4(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float [nb, 32] -> affine 16-level q, s, m (value = s q - m, m = -min)."""
+    lo, hi = v.amin(dim=1), v.amax(dim=1)
+    s = (hi - lo) / 15.0
+    inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
+    q = ((v - lo[:, None]) * inv[:, None]).round_().clamp_(0, 15).to(torch.uint8)
+    return q, s, -lo
+
+
+def block_codes(raw: torch.Tensor, ggml_type: T, rows: int, cols: int, four_bit: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GGUF bytes of `rows` rows -> (q uint8 [rows, cols], s float32 [rows, cols/32], m float32 [rows, cols/32])
-    with value = s * q - m per block of 32 (see the module doc)."""
+    with value = s * q - m per block of 32 (see the module doc). four_bit: requantize types wider than 4 bits
+    to 16 affine levels per block (for a draft model, where half the bytes matter more than precision)."""
     nb = rows * cols // BLOCK
-    if ggml_type == T.Q4_0:
+    if four_bit and ggml_type not in FOUR_BIT:
+        v = quants.dequantize(raw, ggml_type, (rows, cols)).view(nb, BLOCK)
+        q, s, m = _requantize4(v)
+    elif ggml_type == T.Q4_0:
         b = _blocks(raw, ggml_type)
         q, d = _nibbles(b[:, 2:], 1), _half(b, 0)[:, 0]
         s, m = d, d * 8.0
@@ -160,15 +173,16 @@ def packed_bytes(parts: list[tuple[int, bool]], cols: int) -> int:
     return sum(nb * ((256 if all(flags[i:i + TILE]) else 512) + 4 * TILE) for i in range(0, len(flags), TILE))
 
 
-def pack_gguf_rows(matrix: PackedMatrix, raw: np.ndarray | torch.Tensor, ggml_type: T, rows: int) -> None:
+def pack_gguf_rows(matrix: PackedMatrix, raw: np.ndarray | torch.Tensor, ggml_type: T, rows: int,
+                   four_bit: bool = False) -> None:
     """Append the rows of one GGUF matrix (raw bytes) to `matrix`, converting _ROWS rows at a time."""
     data = quants._as_bytes(raw)
     cols = matrix.cols
     row_bytes = data.numel() // rows
-    four = ggml_type in FOUR_BIT
+    four = four_bit or ggml_type in FOUR_BIT
     for r0 in range(0, rows, _ROWS):
         r1 = min(rows, r0 + _ROWS)
-        q, s, m = block_codes(data[r0 * row_bytes:r1 * row_bytes], ggml_type, r1 - r0, cols)
+        q, s, m = block_codes(data[r0 * row_bytes:r1 * row_bytes], ggml_type, r1 - r0, cols, four_bit)
         matrix.add(q, s, m, four)
 
 

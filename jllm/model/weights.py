@@ -31,9 +31,11 @@ from jllm.model.qlinear import PackedMatrix, QLinear, pack_gguf_rows
 # native: the GGUF's own 4-bit and 8-bit blocks, int8 activations per block of 32, on jllm's AVX-512 VNNI
 #         kernel (model/qlinear.py; default on CPUs that have it: 0.625 bytes per 4-bit weight)
 # bf16 / f16: half-precision weights (CUDA)
-PRECISIONS = ("exact", "native", "int8", "int8-fast", "bf16", "f16")
+# native4: native with every wider type requantized to 4 bits (the draft model's default: half the bytes)
+PRECISIONS = ("exact", "native", "native4", "int8", "int8-fast", "bf16", "f16")
 INT8 = ("int8", "int8-fast")
-CONVERTED = INT8 + ("native",)          # precisions whose converted matrices are cached on disk
+NATIVE = ("native", "native4")
+CONVERTED = INT8 + NATIVE               # precisions whose converted matrices are cached on disk
 _ROWS_PER_CHUNK = 8192
 _CONVERT_VALUES = 1 << 20          # values per conversion chunk: 4 MB of f32, stays in cache
 
@@ -90,16 +92,16 @@ class _Builder:
             raise JllmError(f"unknown precision {precision!r} (choose from {', '.join(PRECISIONS)})")
         if precision in INT8 and (device.type != "cpu" or not int8_supported()):
             raise JllmError(f"precision {precision} needs an x86 CPU with FBGEMM; use --precision bf16 on this device")
-        if precision == "native" and (device.type != "cpu" or not native_supported()):
+        if precision in NATIVE and (device.type != "cpu" or not native_supported()):
             from jllm.kernels import why_unavailable
 
-            raise JllmError(f"precision native needs jllm's CPU kernels: {why_unavailable() or 'not on this device'}; "
+            raise JllmError(f"precision {precision} needs jllm's CPU kernels: {why_unavailable() or 'not on this device'}; "
                             "use --precision int8")
         self.gguf, self.precision, self.device = gguf, precision, device
         self.reader = self.writer = None
         if precision in CONVERTED and use_cache:
             try:
-                kind = "native" if precision == "native" else "int8"     # both int8 modes share the weights
+                kind = precision if precision in NATIVE else "int8"      # both int8 modes share the weights
                 self.reader, path = open_converted(gguf.path, kind)
                 if self.reader is None:
                     self.writer = ConvertedWriter(path, {"gguf": str(gguf.path), "precision": precision})
@@ -177,7 +179,7 @@ class _Builder:
         for info in infos:
             rows = min(max_rows, info.shape[0]) if max_rows else info.shape[0]
             raw = self.gguf.raw(info.name)[:info.nbytes // info.shape[0] * rows]
-            pack_gguf_rows(matrix, raw, info.ggml_type, rows)
+            pack_gguf_rows(matrix, raw, info.ggml_type, rows, four_bit=self.precision == "native4")
             self.gguf.release(info.name)
         rows = matrix.rows
         data, offsets, four = matrix.pack()
@@ -206,7 +208,7 @@ class _Builder:
                 parts.append(self.vector(b) if b and self.has(b) else
                              torch.zeros(self.gguf.tensors[name].shape[0], device=self.device))
             bias = torch.cat(parts)
-        if self.precision == "native":
+        if self.precision in NATIVE:
             return self._native_matrix(names, max_rows, bias)
         if self.precision in INT8:
             q, scale = self._int8_matrix(names, max_rows)

@@ -37,7 +37,17 @@ class SpecConfig:
     ngram_min_match: int = 2    # n-gram proposals need a suffix match at least this long to be used
     draft_vocab: int = 32768    # FR-Spec: the draft scores only the first N token ids (BPE ids rise with
                                 # merge rank, roughly falling frequency); the target still verifies over all
-    draft_precision: str = "int8-fast"   # for an int8 target (a native target keeps native: it is faster)
+    draft_precision: str = "auto"   # auto: native4 for a native target, int8-fast for an int8 one (the draft
+                                    # only proposes: fewer bytes beat precision), else the target's own
+
+    def draft_precision_for(self, target_precision: str) -> str:
+        return draft_precision_for(target_precision, self.draft_precision)
+
+
+def draft_precision_for(target_precision: str, choice: str = "auto") -> str:
+    if choice != "auto":
+        return choice
+    return {"native": "native4", "int8": "int8-fast"}.get(target_precision, target_precision)
 
 
 @dataclass
