@@ -47,8 +47,10 @@ def test_greedy_output_identical_to_plain(paths, draft_name, mode, precision):
     p = SamplingParams(max_tokens=40)
     ref = plain.generate(PROMPT, p)
     # p_min 0: the tiny random models are never confident, and a self-draft should draft whole blocks
+    # a self-draft computes exactly as the target (not at the lighter default draft precision)
+    same = {"draft_precision": precision} if draft_name == "target" else {}
     spec = engine(paths["target"], paths[draft_name] if draft_name else None, mode=mode, p_min=0.0,
-                  precision=precision)
+                  precision=precision, **same)
     out = spec.generate(PROMPT, p)
     assert out.token_ids == ref.token_ids
     st = spec.spec_stats.as_dict()
