@@ -49,3 +49,42 @@ def test_first_position_attends_to_itself_only():
     k, v = torch.randn(1, 8, 64), torch.randn(1, 8, 64)
     out = qgemm().attention(torch.randn(1, 2, 64), k, v, 0, 0, 0.125)
     torch.testing.assert_close(out.view(2, 64), v[0, :1].expand(2, 64), rtol=1e-6, atol=1e-6)
+
+
+# ------------------------------------------------------------------ row-wise kernels (jllm/kernels/rowwise.cpp)
+
+
+def test_rms_norm_and_glu_match_torch():
+    k = qgemm()
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(9, 200, generator=g) * 3, torch.randn(200, generator=g)
+    torch.testing.assert_close(k.rms_norm(x, w, 1e-6), F.rms_norm(x, (200,), w, 1e-6), rtol=1e-5, atol=1e-5)
+    heads = torch.randn(3, 5, 24, generator=g)[:, 1:]          # a non-contiguous view, as q/k norms get
+    wh = torch.randn(24, generator=g)
+    torch.testing.assert_close(k.rms_norm(heads, wh, 1e-6), F.rms_norm(heads, (24,), wh, 1e-6), rtol=1e-5, atol=1e-5)
+    gu = torch.randn(4, 2 * 70, generator=g) * 4
+    gate, up = gu[:, :70], gu[:, 70:]
+    torch.testing.assert_close(k.glu(gu, False), F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k.glu(gu, True), F.gelu(gate, approximate="tanh") * up, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("neox,rope_dim", [(True, 64), (False, 64), (True, 32)])
+def test_rope_store_matches_the_torch_path(neox, rope_dim):
+    from types import SimpleNamespace
+
+    from jllm.model.transformer import apply_rope, rope_table
+
+    g = torch.Generator().manual_seed(rope_dim)
+    T, H, Hk, D, L, start = 5, 4, 2, 64, 32, 7
+    qkv = torch.randn(T, (H + 2 * Hk) * D, generator=g)
+    qk = qkv[:, :(H + Hk) * D].view(T, H + Hk, D)
+    v = qkv[:, (H + Hk) * D:].view(T, Hk, D)
+    cos, sin = rope_table(SimpleNamespace(rope_dim=rope_dim), 10000.0, 1.0, L, "cpu")
+    kc, vc = torch.zeros(Hk, L, D), torch.zeros(Hk, L, D)
+    q = qgemm().rope_store(qk[:, :H], qk[:, H:], v, cos[start:start + T], sin[start:start + T], neox, rope_dim,
+                           kc, vc, start)
+    want = apply_rope(qk, cos[start:start + T], sin[start:start + T], neox, rope_dim)
+    torch.testing.assert_close(q, want[:, :H], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(kc[:, start:start + T], want[:, H:].transpose(0, 1), rtol=1e-6, atol=1e-6)
+    assert torch.equal(vc[:, start:start + T], v.transpose(0, 1))
+    assert not kc[:, :start].any() and not kc[:, start + T:].any()

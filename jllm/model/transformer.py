@@ -69,42 +69,51 @@ class Transformer:
         """
         c, w = self.cfg, self.w
         T = tokens.shape[0]
+        norm = self.kernels.rms_norm if self.kernels is not None else rms_norm
         start = cache.reserve(T)
         x = w.embed(tokens)                                                   # x: [T, D]
         if self.embed_scale is not None:
             x = x * self.embed_scale
         q_dim, kv_dim = c.n_heads * c.head_dim, c.kv_dim
         for i, L in enumerate(w.layers):
-            h = rms_norm(x, L.attn_norm, c.rms_eps)
+            h = norm(x, L.attn_norm, c.rms_eps)
             qkv = L.qkv(h)                                                    # [T, q_dim + 2 kv_dim]
             qk = qkv[:, :q_dim + kv_dim].reshape(T, c.n_heads + c.n_kv_heads, c.head_dim)
             v = qkv[:, q_dim + kv_dim:].reshape(T, c.n_kv_heads, c.head_dim)
             if L.q_norm is not None:
-                qk = torch.cat([rms_norm(qk[:, :c.n_heads], L.q_norm, c.rms_eps),
-                                rms_norm(qk[:, c.n_heads:], L.k_norm, c.rms_eps)], dim=1)
+                qk = torch.cat([norm(qk[:, :c.n_heads], L.q_norm, c.rms_eps),
+                                norm(qk[:, c.n_heads:], L.k_norm, c.rms_eps)], dim=1)
             sliding = c.is_sliding(i)
             cos, sin = self.rope_local if sliding else self.rope_global
-            qk = apply_rope(qk, cos[start:start + T], sin[start:start + T], c.traits.rope_neox, c.rope_dim)
-            q, k = qk[:, :c.n_heads], qk[:, c.n_heads:]                      # [T, H, hd], [T, Hk, hd]
-            cache.k[i, :, start:start + T] = k.transpose(0, 1)
-            cache.v[i, :, start:start + T] = v.transpose(0, 1)
+            if self.kernels is not None:
+                q = self.kernels.rope_store(qk[:, :c.n_heads], qk[:, c.n_heads:], v, cos[start:start + T],
+                                            sin[start:start + T], c.traits.rope_neox, c.rope_dim,
+                                            cache.k[i], cache.v[i], start)
+            else:
+                qk = apply_rope(qk, cos[start:start + T], sin[start:start + T], c.traits.rope_neox, c.rope_dim)
+                q, k = qk[:, :c.n_heads], qk[:, c.n_heads:]                  # [T, H, hd], [T, Hk, hd]
+                cache.k[i, :, start:start + T] = k.transpose(0, 1)
+                cache.v[i, :, start:start + T] = v.transpose(0, 1)
             a = self._attention(q, cache, i, start, c.sliding_window if sliding else 0)   # [T, q_dim]
             a = L.o(a)
             if L.post_attn_norm is not None:
-                a = rms_norm(a, L.post_attn_norm, c.rms_eps)
+                a = norm(a, L.post_attn_norm, c.rms_eps)
             x = x + a
-            h = rms_norm(x, L.ffn_norm, c.rms_eps)
+            h = norm(x, L.ffn_norm, c.rms_eps)
             gu = L.gate_up(h)                                                 # [T, 2 ffn]
-            g, u = gu[:, :c.ffn], gu[:, c.ffn:]
-            g = F.gelu(g, approximate="tanh") if c.traits.gelu else F.silu(g)
-            m = L.down(g * u)
+            if self.kernels is not None:
+                m = L.down(self.kernels.glu(gu, c.traits.gelu))
+            else:
+                g, u = gu[:, :c.ffn], gu[:, c.ffn:]
+                g = F.gelu(g, approximate="tanh") if c.traits.gelu else F.silu(g)
+                m = L.down(g * u)
             if L.post_ffn_norm is not None:
-                m = rms_norm(m, L.post_ffn_norm, c.rms_eps)
+                m = norm(m, L.post_ffn_norm, c.rms_eps)
             x = x + m
         cache.length = start + T
         if last_only:
             x = x[-1:]
-        x = rms_norm(x, w.output_norm, c.rms_eps)
+        x = norm(x, w.output_norm, c.rms_eps)
         return w.output(x)
 
     def _attention(self, q: torch.Tensor, cache: KVCache, layer: int, start: int, window: int) -> torch.Tensor:
