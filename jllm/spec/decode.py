@@ -34,7 +34,7 @@ class SpecConfig:
     draft_max: int = 8          # most tokens proposed per round
     draft_min: int = 1          # fewest tokens a round may propose (adaptive k stays within [min, max])
     p_min: float = 0.6          # the draft model stops drafting when its top probability falls below this
-    ngram_min_match: int = 2    # n-gram proposals need a suffix match at least this long to be used
+    ngram_min_match: int = 3    # with a draft model, n-gram proposals need a suffix match this long to be used
     draft_vocab: int = 32768    # FR-Spec: the draft scores only the first N token ids (BPE ids rise with
                                 # merge rank, roughly falling frequency); the target still verifies over all
     draft_precision: str = "auto"   # auto: native4 for a native target, int8-fast for an int8 one (the draft
@@ -131,18 +131,18 @@ class SpeculativeDecoder:
         self.use_ngram = mode in ("ngram", "draft+ngram")
         self.ngram = NgramProposer(max_ngram=4, min_ngram=1)
         self.stats = SpecStats()
-        self.k = cfg.draft_max
+        self.k = {"draft": cfg.draft_max, "ngram": cfg.draft_max}     # adapted per proposer
         self.gate = DraftGate()
 
-    def _propose(self, context: list[int], k: int, params: SamplingParams, gen) -> tuple[str, list[int], object]:
+    def _propose(self, context: list[int], room: int, params: SamplingParams, gen) -> tuple[str, list[int], object]:
         t0 = time.perf_counter()
         try:
             if self.use_ngram:
-                d = self.ngram.propose(k)
+                d = self.ngram.propose(min(self.k["ngram"], room))
                 if d and (self.ngram.last_match_len >= self.cfg.ngram_min_match or not self.use_draft):
                     return "ngram", d, None
             if self.use_draft and self.gate.choose() == "draft":
-                d, q = self.draft.propose(context, k, self.cfg.p_min, params, gen)
+                d, q = self.draft.propose(context, min(self.k["draft"], room), self.cfg.p_min, params, gen)
                 return "draft", d, q
             return "ngram", [], None
         finally:
@@ -163,9 +163,8 @@ class SpeculativeDecoder:
             if emitted >= budget or last in eng.tokenizer.eot_ids:
                 return
             room = min(budget - emitted - 1, eng.ctx_size - eng.cache.length - 2)
-            k = max(0, min(self.k, room))
             t_round = time.perf_counter()
-            kind, drafts, q = self._propose(history, k, params, gen) if k else ("ngram", [], None)
+            kind, drafts, q = self._propose(history, room, params, gen) if room > 0 else ("ngram", [], None)
             t0 = time.perf_counter()
             before = eng.cache.length
             block = torch.tensor([last] + drafts, device=eng.device)
@@ -187,7 +186,7 @@ class SpeculativeDecoder:
                 self.gate.record("draft" if kind == "draft" else "plain", time.perf_counter() - t_round, n + 1)
             if drafts:
                 self.stats.record(kind, len(drafts), n)
-                self._adapt(len(drafts), n)
+                self._adapt(kind, len(drafts), n)
             for tok in drafts[:n]:
                 history.append(tok)
                 self.ngram.append(tok)
@@ -197,12 +196,16 @@ class SpeculativeDecoder:
                     return
             last = nxt
 
-    def _adapt(self, drafted: int, accepted: int) -> None:
-        """Grow k after a fully accepted round, shrink it after a poor one."""
+    def _adapt(self, kind: str, drafted: int, accepted: int) -> None:
+        """Grow the proposer's k after a fully accepted round, shrink it after a poor one (n-gram matches
+        that keep failing, as in translation, shrink to draft_min and cost little)."""
+        k = self.k[kind]
         if accepted == drafted:
-            self.k = min(self.cfg.draft_max, self.k + 1)
+            self.k[kind] = min(self.cfg.draft_max, k + 1)
+        elif kind == "ngram":                    # a copied span that broke off: propose only as far as it held
+            self.k[kind] = max(self.cfg.draft_min, accepted + 1)
         elif accepted < drafted // 2:
-            self.k = max(self.cfg.draft_min, self.k - 1)
+            self.k[kind] = max(self.cfg.draft_min, k - 1)
 
 
 class DraftGate:
