@@ -457,6 +457,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--draft-p-min", type=float, default=0.6)
     b.add_argument("-n", "--n-predict", type=int, default=128, help="tokens per prompt for --spec")
     b.add_argument("--limit", type=int, default=None, help="only the first N corpus prompts")
+    b.add_argument("--wrong-draft", action="store_true",
+                   help="--spec with a draft whose every proposal is wrong (at full draft cost): the worst case")
     b.add_argument("--multiturn", action="store_true",
                    help="persistent KV cache: second-turn prompt evaluation with and without the cache")
     b.add_argument("--conversations", type=int, default=3, help="conversations for --multiturn")

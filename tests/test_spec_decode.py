@@ -155,3 +155,35 @@ def test_draft_gate_prefers_the_cheaper_proposer_and_keeps_exploring():
         picks.append(arm)
         gate.record(arm, 0.08 if arm == "draft" else 0.05, 1)      # now it does not
     assert picks[10:].count("plain") > 20 and "draft" in picks[10:]
+
+
+def test_draft_gate_backs_off_from_a_draft_that_keeps_losing():
+    from jllm.spec.decode import DraftGate
+
+    gate = DraftGate(explore=12, max_explore=96)
+    picks = []
+    for _ in range(400):
+        arm = gate.choose()
+        picks.append(arm)
+        gate.record(arm, 0.2 if arm == "draft" else 0.05, 1)
+    trials = [i for i, a in enumerate(picks) if a == "draft"][3:]      # after the first three rounds
+    assert 3 <= len(trials) <= 8, trials                   # a fixed interval of 12 would retry 33 times
+    assert all(b - a >= 12 for a, b in zip(trials, trials[1:]))
+
+
+def test_an_always_wrong_draft_keeps_the_output_and_is_gated_off(paths):
+    """The worst case `jllm bench --spec --wrong-draft` measures: every proposal wrong, output unchanged, and
+    the draft gate stops paying for the draft."""
+    from jllm.spec.bench import make_draft_wrong
+
+    plain = engine(paths["target"], precision="native")
+    p = SamplingParams(max_tokens=40)
+    ref = plain.generate(PROMPT, p)
+    spec = engine(paths["target"], paths["target"], mode="draft", p_min=0.0, precision="native",
+                  draft_precision="native")
+    make_draft_wrong(spec)
+    out = spec.generate(PROMPT, p)
+    assert out.token_ids == ref.token_ids
+    st = spec.spec_stats.as_dict()
+    assert st["drafted"] > 0 and st["accepted"] == 0
+    assert st["rounds"] < len(out.token_ids) / 2          # the gate turned to plain steps

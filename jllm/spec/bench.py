@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import json
 import time
+
+import torch
+
+from jllm.errors import JllmError
 from collections import defaultdict
 
 from jllm.sampling import SamplingParams
@@ -82,6 +86,24 @@ def print_summary(s: dict) -> None:
               f"{a['identical']:>5}/{a['prompts']}")
 
 
+def make_draft_wrong(eng) -> None:
+    """Turn the engine's draft into one that is always wrong, at its full cost: it still runs every draft step,
+    then shifts each proposed id by one (the target's choice is never the draft's choice plus one, except by a
+    vanishing coincidence). Measures what speculation costs when it cannot help."""
+    runner = eng.draft
+    propose = runner.propose
+    vocab = runner.model.cfg.vocab_size
+
+    def wrong(context, k, p_min, params, gen):
+        drafts, q = propose(context, k, p_min, params, gen)
+        shifted = [(t + 1) % vocab for t in drafts]
+        if q is not None:                              # keep q consistent with what is proposed
+            q = torch.roll(q, shifts=1, dims=-1)
+        return shifted, q
+
+    runner.propose = wrong
+
+
 def run(a) -> int:
     from jllm.engine import Engine
     from jllm.spec.decode import SpecConfig
@@ -92,13 +114,19 @@ def run(a) -> int:
     cfg = SpecConfig(mode=mode, draft_max=a.draft_max, draft_min=a.draft_min, p_min=a.draft_p_min)
     eng = Engine(str(resolve(a.model)), device=a.device, precision=a.precision, ctx_size=a.ctx_size,
                  threads=a.threads, draft_path=draft, spec=cfg)
+    if getattr(a, "wrong_draft", False):
+        if eng.draft is None:
+            raise JllmError("--wrong-draft needs a draft model (-md)")
+        make_draft_wrong(eng)
     t0 = time.perf_counter()
     s = run_corpus(eng, cfg, max_tokens=a.n_predict, limit=a.limit)
     print_summary(s)
-    print(f"\n{eng.gguf.path.name} + {a.draft_model or 'no draft'}, mode {mode}, precision {eng.precision}, "
+    wrong = " (always wrong)" if getattr(a, "wrong_draft", False) else ""
+    print(f"\n{eng.gguf.path.name} + {a.draft_model or 'no draft'}{wrong}, mode {mode}, precision {eng.precision}, "
           f"max {a.n_predict} tokens, {time.perf_counter() - t0:.0f} s")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"model": eng.gguf.path.name, "draft": a.draft_model, "mode": mode,
+                       "wrong_draft": bool(getattr(a, "wrong_draft", False)),
                        "precision": eng.precision, "max_tokens": a.n_predict, **s}, f, indent=1)
     return 0
