@@ -160,3 +160,27 @@ def test_no_kernels_falls_back_to_int8(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**__import__("os").environ, "JLLM_NO_KERNELS": "1"})
     assert out.stdout.strip() == "int8", out.stderr
+
+
+@pytest.mark.parametrize("precision", ["native", "native4", "int8"])
+def test_converted_cache_gives_the_same_model_and_survives_damage(precision, tmp_path, monkeypatch):
+    from synthetic import write_tiny_model
+
+    from jllm.model.loader import load_model
+
+    monkeypatch.setenv("JLLM_CONVERTED_DIR", str(tmp_path / "conv"))
+    path = tmp_path / "m.gguf"
+    write_tiny_model(path, "qwen2")
+    ids = torch.tensor([3, 17, 42, 7, 99])
+
+    def logits():
+        model = load_model(path, "cpu", precision)
+        return model.forward(ids, model.new_cache(16))
+
+    first = logits()                                        # converts and writes the cache
+    (cached,) = list((tmp_path / "conv").glob("*.jllmw"))
+    assert torch.equal(logits(), first)                     # reads it
+    data = cached.read_bytes()
+    cached.write_bytes(data[:len(data) // 2])               # truncated: detected, converted again
+    assert torch.equal(logits(), first)
+    assert cached.stat().st_size == len(data)
