@@ -167,13 +167,21 @@ def test_draft_gate_backs_off_from_a_draft_that_keeps_losing():
         picks.append(arm)
         gate.record(arm, 0.2 if arm == "draft" else 0.05, 1)
     trials = [i for i, a in enumerate(picks) if a == "draft"][3:]      # after the first three rounds
-    assert 3 <= len(trials) <= 8, trials                   # a fixed interval of 12 would retry 33 times
+    assert len(trials) == 3, trials                        # then it gives up (a fixed interval: 33 retries)
     assert all(b - a >= 12 for a, b in zip(trials, trials[1:]))
+    gate = DraftGate(explore=12, give_up=3)                 # a draft that wins again is kept
+    picks = []
+    for i in range(200):
+        arm = gate.choose()
+        picks.append(arm)
+        gate.record(arm, (0.2 if i < 30 else 0.01) if arm == "draft" else 0.05, 1)
+    assert picks[-50:].count("draft") > 40
 
 
-def test_an_always_wrong_draft_keeps_the_output_and_is_gated_off(paths):
-    """The worst case `jllm bench --spec --wrong-draft` measures: every proposal wrong, output unchanged, and
-    the draft gate stops paying for the draft."""
+def test_an_always_wrong_draft_keeps_the_output(paths):
+    """The worst case `jllm bench --spec --wrong-draft` measures: every proposal wrong, output unchanged.
+    (Whether the gate then stops drafting depends on measured times, sub-millisecond on this tiny model; the
+    gate's policy is tested with given costs above.)"""
     from jllm.spec.bench import make_draft_wrong
 
     plain = engine(paths["target"], precision="native")
@@ -186,4 +194,3 @@ def test_an_always_wrong_draft_keeps_the_output_and_is_gated_off(paths):
     assert out.token_ids == ref.token_ids
     st = spec.spec_stats.as_dict()
     assert st["drafted"] > 0 and st["accepted"] == 0
-    assert st["rounds"] < len(out.token_ids) / 2          # the gate turned to plain steps

@@ -131,7 +131,8 @@ class SpeculativeDecoder:
         self.use_ngram = mode in ("ngram", "draft+ngram")
         self.ngram = NgramProposer(max_ngram=4, min_ngram=1)
         self.stats = SpecStats()
-        self.k = {"draft": cfg.draft_max, "ngram": cfg.draft_max}     # adapted per proposer
+        # adapted per proposer; the draft starts halfway, so a useless draft wastes little before the gate acts
+        self.k = {"draft": max(cfg.draft_min, min(cfg.draft_max, 4)), "ngram": cfg.draft_max}
         self.gate = DraftGate()
 
     def _propose(self, context: list[int], room: int, params: SamplingParams, gen) -> tuple[str, list[int], object]:
@@ -202,8 +203,8 @@ class SpeculativeDecoder:
         k = self.k[kind]
         if accepted == drafted:
             self.k[kind] = min(self.cfg.draft_max, k + 1)
-        elif kind == "ngram":                    # a copied span that broke off: propose only as far as it held
-            self.k[kind] = max(self.cfg.draft_min, accepted + 1)
+        elif kind == "ngram" or accepted == 0:   # a copied span that broke off, or a draft wrong from its first
+            self.k[kind] = max(self.cfg.draft_min, accepted + 1)      # token: propose only as far as it held
         elif accepted < drafted // 2:
             self.k[kind] = max(self.cfg.draft_min, k - 1)
 
@@ -214,15 +215,18 @@ class DraftGate:
     cheaper, and tries the other every `explore` rounds, since acceptance drifts with the text. A losing draft
     is retried ever less often (the interval doubles up to `max_explore` rounds, and resets once the draft wins
     again): each trial costs its draft steps and the draft's catch-up on the tokens emitted since its last
-    use, which made an always-wrong draft cost ~15 % of plain speed at a fixed interval. Only the choice of
+    use, which made an always-wrong draft cost ~15 % of plain speed at a fixed interval. After `give_up`
+    trials in a row that the draft lost, it is not tried again in this generation. Only the choice of
     proposer changes, never what is emitted, so exactness is untouched."""
 
-    def __init__(self, explore: int = 12, decay: float = 0.8, max_explore: int = 96):
+    def __init__(self, explore: int = 12, decay: float = 0.8, max_explore: int = 96, give_up: int = 3):
         self.cost = {"draft": None, "plain": None}
         self.rounds = 0
-        self.explore, self.decay, self.max_explore = explore, decay, max_explore
+        self.explore, self.decay, self.max_explore, self.give_up = explore, decay, max_explore, give_up
         self.interval = explore                   # rounds until the other arm's next trial
         self.next_trial = explore
+        self.lost = 0                             # draft trials lost in a row
+        self._trial = False
 
     def choose(self) -> str:
         self.rounds += 1
@@ -234,9 +238,10 @@ class DraftGate:
         best, other = ("draft", "plain") if d <= p else ("plain", "draft")
         if best == "draft":
             self.interval = self.explore
-        if self.rounds >= self.next_trial:
+        if self.rounds >= self.next_trial and not (other == "draft" and self.lost >= self.give_up):
             if other == "draft":
                 self.interval = min(2 * self.interval, self.max_explore)
+                self._trial = True
             self.next_trial = self.rounds + self.interval
             return other
         return best
@@ -245,3 +250,8 @@ class DraftGate:
         c = seconds / max(tokens, 1)
         old = self.cost[arm]
         self.cost[arm] = c if old is None else self.decay * old + (1 - self.decay) * c
+        if arm == "draft" and self._trial:          # a trial is the freshest evidence: it alone decides
+            self.cost[arm] = c
+            self._trial = False
+            plain = self.cost["plain"]
+            self.lost = self.lost + 1 if plain is not None and self.cost["draft"] > plain else 0
