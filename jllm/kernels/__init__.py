@@ -20,6 +20,7 @@ import threading
 from pathlib import Path
 
 _SOURCES = [Path(__file__).with_name(n) for n in ("qgemm.cpp", "attention.cpp", "rowwise.cpp")]
+_HEADER = Path(__file__).with_name("vecmath.h")
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mf16c",
           "-ffp-contract=off", "-fopenmp"]    # OpenMP: at::parallel_for shares torch's own thread pool
 _lock = threading.Lock()
@@ -43,7 +44,7 @@ def build_dir() -> Path:
 
     import platformdirs
 
-    ident = hashlib.sha256(b"".join(s.read_bytes() for s in _SOURCES) + " ".join(_FLAGS).encode()
+    ident = hashlib.sha256(b"".join(s.read_bytes() for s in _SOURCES + [_HEADER]) + " ".join(_FLAGS).encode()
                            + torch.__version__.encode())
     base = os.environ.get("JLLM_KERNELS_DIR") or Path(platformdirs.user_cache_dir("jllm")) / "kernels"
     return Path(base) / ident.hexdigest()[:16]

@@ -11,28 +11,16 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "vecmath.h"
+
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
 namespace {
 
-// e^x for x <= 0 (softmax arguments), ~1 ulp: x = n ln2 + r, |r| <= ln2 / 2, e^r by a degree-6 polynomial.
-inline __m512 exp_neg(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
+using jllm::exp512;
+using jllm::tail_mask;
 
 // One (query, kv head) item for head dimension D (a multiple of 16), G query heads in the group.
 template <int D>
@@ -57,14 +45,14 @@ void item(const float* q, const float* k, const float* v, int64_t n, int64_t G, 
         // softmax over n scores, 16 at a time (the tail masked)
         __m512 mx = _mm512_set1_ps(-INFINITY);
         for (int64_t j = 0; j < n; j += 16) {
-            const __mmask16 m = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+            const __mmask16 m = tail_mask(n - j);
             mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, wg + j));
         }
         const __m512 vmax = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
         __m512 sum = _mm512_setzero_ps();
         for (int64_t j = 0; j < n; j += 16) {
-            const __mmask16 m = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
-            __m512 e = exp_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, wg + j), vmax));
+            const __mmask16 m = tail_mask(n - j);
+            __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, wg + j), vmax));
             e = _mm512_maskz_mov_ps(m, e);
             _mm512_mask_storeu_ps(wg + j, m, e);
             sum = _mm512_add_ps(sum, e);

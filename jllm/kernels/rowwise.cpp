@@ -6,29 +6,16 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "vecmath.h"
+
 #include <algorithm>
 #include <cmath>
 
 namespace {
 
-// e^x, x clamped to [-87, 88]: x = n ln2 + r, e^r by a degree-6 polynomial, scaled by 2^n.
-inline __m512 exp512(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
+using jllm::exp512;
 
-inline __mmask16 tail(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
+using jllm::tail_mask;
 
 }  // namespace
 
@@ -47,13 +34,13 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
         const float* xr = xp + r * D;
         __m512 ss = _mm512_setzero_ps();
         for (int64_t i = 0; i < D; i += 16) {
-            const __m512 v = _mm512_maskz_loadu_ps(tail(D - i), xr + i);
+            const __m512 v = _mm512_maskz_loadu_ps(tail_mask(D - i), xr + i);
             ss = _mm512_fmadd_ps(v, v, ss);
         }
         const float scale = 1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / (float)D + (float)eps);
         const __m512 s = _mm512_set1_ps(scale);
         for (int64_t i = 0; i < D; i += 16) {
-            const __mmask16 m = tail(D - i);
+            const __mmask16 m = tail_mask(D - i);
             _mm512_mask_storeu_ps(yp + r * D + i, m, _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, xr + i), s),
                                                                    _mm512_maskz_loadu_ps(m, wp + i)));
         }
@@ -75,7 +62,7 @@ torch::Tensor glu(torch::Tensor gu, bool gelu) {
         const float* g = p + t * 2 * F;
         const float* u = g + F;
         for (int64_t i = 0; i < F; i += 16) {
-            const __mmask16 m = tail(F - i);
+            const __mmask16 m = tail_mask(F - i);
             const __m512 x = _mm512_maskz_loadu_ps(m, g + i);
             __m512 a;
             if (gelu) {       // 0.5 x (1 + tanh(z)), tanh(z) = 1 - 2 / (e^{2z} + 1)
