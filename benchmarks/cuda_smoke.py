@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "tests")]       # runs from a checkout, installed or not
 
 from synthetic import write_tiny_model  # noqa: E402
 
