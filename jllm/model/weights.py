@@ -25,13 +25,14 @@ from jllm.model.linear import DenseLinear, Int8Linear, int8_supported, quantize_
 from jllm.model.qlinear import PackedMatrix, QLinear, pack_gguf_rows
 
 # exact: f32 dequantized weights, f32 activations (the oracle path, 4 bytes per weight)
-# int8: int8 weights, two-pass int8 activations (default on CPU; within 0.002 nats KL of exact)
+# native: the GGUF's own 4-bit and 8-bit blocks, int8 activations per block of 32, on jllm's AVX-512 VNNI
+#         kernel (model/qlinear.py; the CPU default where it builds: 0.625 bytes per 4-bit weight;
+#         0.0005 nats KL from exact on the 1.5B)
+# native4: native with every wider type requantized to 4 bits (the draft model's default: fewer bytes)
+# int8: int8 weights on FBGEMM, two-pass int8 activations (the CPU fallback; 0.0018 nats KL from exact)
 # int8-fast: int8 weights, one-pass int8 activations (half the GEMM rows: faster prefill and verify,
 #            ~0.02 nats KL from exact)
-# native: the GGUF's own 4-bit and 8-bit blocks, int8 activations per block of 32, on jllm's AVX-512 VNNI
-#         kernel (model/qlinear.py; default on CPUs that have it: 0.625 bytes per 4-bit weight)
 # bf16 / f16: half-precision weights (CUDA)
-# native4: native with every wider type requantized to 4 bits (the draft model's default: half the bytes)
 PRECISIONS = ("exact", "native", "native4", "int8", "int8-fast", "bf16", "f16")
 INT8 = ("int8", "int8-fast")
 NATIVE = ("native", "native4")
