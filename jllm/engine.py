@@ -94,6 +94,7 @@ class Engine:
         if draft_gguf is not None:
             self._load_draft(draft_gguf, spec)
         self.spec_stats = None                 # the last speculative run's SpecStats
+        self.spec_gate = None                  # the draft gate, kept across generations (a chat's turns)
         self.kv_store = None
         if kv_store_dir is not None:
             from jllm.cache.store import KVStore, model_fingerprint
@@ -232,7 +233,11 @@ class Engine:
         if token_source is None and self.spec is not None:
             from jllm.spec.decode import SpeculativeDecoder
 
-            decoder = SpeculativeDecoder(self, self.draft, self.spec)
+            from jllm.spec.decode import DraftGate
+
+            if self.spec_gate is None:
+                self.spec_gate = DraftGate()
+            decoder = SpeculativeDecoder(self, self.draft, self.spec, gate=self.spec_gate)
             token_source = decoder.tokens
             self.spec_stats = decoder.stats
         source = (token_source or self._plain_tokens)(logits, params, budget)

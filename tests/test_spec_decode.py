@@ -120,6 +120,7 @@ def test_sampled_distribution_matches_target(paths):
     for seed in range(n):
         spec.cache.truncate(0)
         spec.cached_ids = []
+        spec.spec_gate = None                  # a fresh gate: its first rounds always draft
         # 3 tokens: t1 from the prefill, t2 drafted and verified (accepted or recovered), t3 a by-product
         out = spec.generate(ids, SamplingParams(temperature=1.0, top_k=3, max_tokens=3, seed=seed)).token_ids
         assert tuple(out[:2]) in counts, f"sampled {out}, impossible under the target"
@@ -176,6 +177,32 @@ def test_draft_gate_backs_off_from_a_draft_that_keeps_losing():
         picks.append(arm)
         gate.record(arm, (0.2 if i < 30 else 0.01) if arm == "draft" else 0.05, 1)
     assert picks[-50:].count("draft") > 40
+
+
+def test_draft_gate_carries_its_costs_into_the_next_generation():
+    from jllm.spec.decode import DraftGate
+
+    gate = DraftGate(explore=12, max_explore=96, give_up=3)
+    for _ in range(400):                                    # turn 1: the draft always loses, is given up
+        arm = gate.choose()
+        gate.record(arm, 0.2 if arm == "draft" else 0.05, 1)
+    assert gate.lost == 3
+    gate.new_generation()                                   # turn 2: no free draft rounds, one more trial
+    picks = []
+    for _ in range(100):
+        arm = gate.choose()
+        picks.append(arm)
+        gate.record(arm, 0.2 if arm == "draft" else 0.05, 1)
+    assert picks[:11] == ["plain"] * 11 and picks.count("draft") == 1
+
+
+def test_engine_keeps_one_gate_across_turns(paths):
+    eng = engine(paths["target"], paths["other"], mode="draft", p_min=0.0, precision="native")
+    eng.generate(PROMPT, SamplingParams(max_tokens=8))
+    gate = eng.spec_gate
+    assert gate is not None and gate.cost["draft"] is not None
+    eng.generate(PROMPT + " again", SamplingParams(max_tokens=8))
+    assert eng.spec_gate is gate
 
 
 def test_an_always_wrong_draft_keeps_the_output(paths):

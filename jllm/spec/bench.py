@@ -21,6 +21,7 @@ from jllm.spec.corpus import load_corpus
 
 def _run(eng, ids, params, spec):
     eng.spec = spec
+    eng.spec_gate = None               # each prompt on its own: no gate state from the previous prompt
     eng.cache.truncate(0)
     eng.cached_ids = []
     if eng.draft is not None:

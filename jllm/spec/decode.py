@@ -124,7 +124,9 @@ class DraftRunner:
 class SpeculativeDecoder:
     """A token source for Engine.stream: yields target tokens, several per target pass."""
 
-    def __init__(self, engine, draft: DraftRunner | None, cfg: SpecConfig):
+    def __init__(self, engine, draft: DraftRunner | None, cfg: SpecConfig, gate: "DraftGate | None" = None):
+        """gate: the draft gate of earlier generations (a chat's previous turns), whose cost estimates carry
+        over; a fresh one when None."""
         self.engine, self.draft, self.cfg = engine, draft, cfg
         mode = cfg.mode if cfg.mode != "auto" else ("draft+ngram" if draft is not None else "ngram")
         self.use_draft = draft is not None and mode in ("draft", "draft+ngram")
@@ -133,7 +135,8 @@ class SpeculativeDecoder:
         self.stats = SpecStats()
         # adapted per proposer; the draft starts halfway, so a useless draft wastes little before the gate acts
         self.k = {"draft": max(cfg.draft_min, min(cfg.draft_max, 4)), "ngram": cfg.draft_max}
-        self.gate = DraftGate()
+        self.gate = gate if gate is not None else DraftGate()
+        self.gate.new_generation()
 
     def _propose(self, context: list[int], room: int, params: SamplingParams, gen) -> tuple[str, list[int], object]:
         t0 = time.perf_counter()
@@ -226,6 +229,15 @@ class DraftGate:
         self.interval = explore                   # rounds until the other arm's next trial
         self.next_trial = explore
         self.lost = 0                             # draft trials lost in a row
+        self._trial = False
+
+    def new_generation(self) -> None:
+        """Start a generation (a new turn): cost estimates are kept, so a draft that lost last turn does not
+        get three free rounds again, but the trial schedule restarts and a given-up draft gets one more trial
+        (the new text may suit it)."""
+        self.rounds = 0
+        self.interval, self.next_trial = self.explore, self.explore
+        self.lost = min(self.lost, self.give_up - 1)
         self._trial = False
 
     def choose(self) -> str:
