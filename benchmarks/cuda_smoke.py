@@ -10,15 +10,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]       # runs from a checkout, installed or not
 
-from synthetic import write_tiny_model  # noqa: E402
+from cuda_checks import cuda_vs_cpu_exact  # noqa: E402
 
 from jllm.engine import Engine  # noqa: E402
-from jllm.model.loader import load_model  # noqa: E402
 from jllm.sampling import SamplingParams  # noqa: E402
 from jllm.spec.decode import SpecConfig  # noqa: E402
 
@@ -27,18 +25,11 @@ def main() -> int:
     d = Path(tempfile.mkdtemp())
     failures = 0
     for arch in ("llama", "qwen2", "qwen3", "gemma3"):
-        path = d / f"{arch}.gguf"
-        write_tiny_model(path, arch)
-        ids = torch.arange(3, 23)
-        cpu = load_model(path, device="cpu", precision="exact", cache_weights=False)
-        gpu = load_model(path, device="cuda", precision="exact", cache_weights=False)
-        a = cpu.forward(ids, cpu.new_cache(64))
-        b = gpu.forward(ids.cuda(), gpu.new_cache(64)).cpu()
-        rel = ((a - b).abs().max() / a.abs().max()).item()
+        rel = cuda_vs_cpu_exact(d / f"{arch}.gguf", arch)
         ok = rel < 1e-3
         failures += not ok
         print(f"{arch}: cuda exact vs cpu exact, max rel diff {rel:.2e} {'ok' if ok else 'FAIL'}")
-    path = d / "qwen2.gguf"
+    path = d / "qwen2.gguf"                                # written by the qwen2 check above
     eng = Engine(str(path), device="cuda", ctx_size=128)
     plain = eng.generate("hello", SamplingParams(max_tokens=16))
     spec = Engine(str(path), device="cuda", ctx_size=128, draft_path=str(path), spec=SpecConfig(mode="draft"))

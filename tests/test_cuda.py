@@ -4,8 +4,8 @@
 import pytest
 import torch
 
+from cuda_checks import cuda_vs_cpu_exact
 from jllm.engine import Engine
-from jllm.model.loader import load_model
 from jllm.sampling import SamplingParams
 from synthetic import write_tiny_model
 
@@ -14,14 +14,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA d
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_cuda_exact_matches_cpu(arch, tmp_path):
-    path = tmp_path / f"{arch}.gguf"
-    write_tiny_model(path, arch)
-    ids = torch.arange(3, 23)
-    cpu = load_model(path, device="cpu", precision="exact", cache_weights=False)
-    gpu = load_model(path, device="cuda", precision="exact", cache_weights=False)
-    a = cpu.forward(ids, cpu.new_cache(64))
-    b = gpu.forward(ids.cuda(), gpu.new_cache(64)).cpu()
-    assert (a - b).abs().max().item() < 1e-3 * a.abs().max().item()
+    assert cuda_vs_cpu_exact(tmp_path / f"{arch}.gguf", arch) < 1e-3
 
 
 def test_cuda_bf16_engine_generates(tmp_path):
