@@ -47,7 +47,7 @@ import stat
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -142,42 +142,46 @@ def _hasher() -> ThreadPoolExecutor:
     return _pool
 
 
-def _write_hashed(f, views: list[memoryview], h) -> None:
-    """Write the buffers in order, hashing each chunk on a worker thread while it is written."""
+def _chunks(views: list[memoryview]):
+    """The buffers in order, cut into _CHUNK-byte views."""
+    for view in views:
+        for s in range(0, len(view), _CHUNK):
+            yield view[s:s + _CHUNK]
+
+
+def _hashed(chunks, h):
+    """Yield the chunks; each one is hashed on a worker thread once the caller has handled it (written it, or
+    filled it), while the caller handles the next. One hash is in flight at a time, so h sees chunks in order."""
     pending: Future | None = None
     try:
-        for view in views:
-            for s in range(0, len(view), _CHUNK):
-                chunk = view[s:s + _CHUNK]
-                if pending is not None:
-                    pending.result()
-                pending = _hasher().submit(h.update, chunk)
-                while chunk:
-                    chunk = chunk[f.write(chunk):]
+        for chunk in chunks:
+            yield chunk
+            if pending is not None:
+                pending.result()
+            pending = _hasher().submit(h.update, chunk)
     finally:
         if pending is not None:
             pending.result()
+
+
+def _write_hashed(f, views: list[memoryview], h) -> None:
+    """Write the buffers in order, hashing each chunk on a worker thread while the next is written."""
+    with closing(_hashed(_chunks(views), h)) as chunks:     # closing: the last hash is waited for on any exit
+        for chunk in chunks:
+            while chunk:
+                chunk = chunk[f.write(chunk):]
 
 
 def _read_hashed(f, views: list[memoryview], h) -> None:
     """Fill the buffers from f, hashing chunk i on a worker thread while chunk i+1 is read."""
-    pending: Future | None = None
-    try:
-        for view in views:
-            for s in range(0, len(view), _CHUNK):
-                chunk = view[s:s + _CHUNK]
-                got = 0
-                while got < len(chunk):
-                    n = f.readinto(chunk[got:])
-                    if not n:
-                        raise _Bad("corrupt", "is truncated (in the payload)")
-                    got += n
-                if pending is not None:
-                    pending.result()
-                pending = _hasher().submit(h.update, chunk)
-    finally:
-        if pending is not None:
-            pending.result()
+    with closing(_hashed(_chunks(views), h)) as chunks:
+        for chunk in chunks:
+            got = 0
+            while got < len(chunk):
+                n = f.readinto(chunk[got:])
+                if not n:
+                    raise _Bad("corrupt", "is truncated (in the payload)")
+                got += n
 
 
 def _read_exact(f, n: int, what: str) -> bytes:
