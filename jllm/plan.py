@@ -13,7 +13,6 @@ from jllm.model.config import config_from_gguf
 
 RUNTIME_BYTES = 350 << 20      # python + torch + tokenizer, measured: RSS of an engine on a tiny model
 BYTES_PER_WEIGHT = {"exact": 4, "int8": 1, "int8-fast": 1, "bf16": 2, "f16": 2}
-NATIVE_4BIT, NATIVE_8BIT = 0.625, 1.125      # qlinear.py: 4-bit tiles for Q4_0/Q4_1/Q4_K, 8-bit for the rest
 
 
 @dataclass
@@ -31,19 +30,12 @@ class Budget:
 def model_budget(g: GGUFFile, precision: str, ctx: int, output_rows: int | None = None,
                  verify_tokens: int = 9) -> Budget:
     cfg = config_from_gguf(g.metadata, set(g.tensors), str(g.path))
-    from jllm.model.qlinear import FOUR_BIT
-
-    def per_weight(t) -> float:
-        if precision == "native4":
-            return NATIVE_4BIT
-        if precision == "native":
-            return NATIVE_4BIT if t.ggml_type in FOUR_BIT else NATIVE_8BIT
-        return BYTES_PER_WEIGHT[precision]
-
-    scale_bytes = 4 if precision in ("int8", "int8-fast") else 0     # int8: one f32 scale per output row
-    weights = 0
+    kv, scratch = _kv(cfg, ctx), _scratch(cfg, ctx, output_rows, verify_tokens)
     if precision in ("native", "native4"):
-        return Budget(g.path.name, _native_weights(g, cfg, output_rows, precision == "native4"), _kv(cfg, ctx), _scratch(cfg, ctx, output_rows, verify_tokens))
+        return Budget(g.path.name, _native_weights(g, cfg, output_rows, precision == "native4"), kv, scratch)
+    per = BYTES_PER_WEIGHT[precision]
+    scale_bytes = 4 if per == 1 else 0              # int8: one f32 scale per output row
+    weights = 0
     for name, t in g.tensors.items():
         if len(t.shape) != 2 or name == "token_embd.weight":
             weights += t.n_elements * 4 if len(t.shape) == 1 else 0      # norms and biases in f32
@@ -51,11 +43,11 @@ def model_budget(g: GGUFFile, precision: str, ctx: int, output_rows: int | None 
         rows, cols = t.shape
         if name == "output.weight" and output_rows:
             rows = min(rows, output_rows)
-        weights += int(rows * (cols * per_weight(t) + scale_bytes))
+        weights += rows * (cols * per + scale_bytes)
     if cfg.tied_embeddings:                          # the output layer is a converted copy of the embedding
         rows = min(cfg.vocab_size, output_rows or cfg.vocab_size)
-        weights += int(rows * (cfg.hidden * per_weight(g.tensors["token_embd.weight"]) + scale_bytes))
-    return Budget(g.path.name, weights, _kv(cfg, ctx), _scratch(cfg, ctx, output_rows, verify_tokens))
+        weights += rows * (cfg.hidden * per + scale_bytes)
+    return Budget(g.path.name, weights, kv, scratch)
 
 
 def _kv(cfg, ctx: int) -> int:
@@ -72,6 +64,7 @@ def _scratch(cfg, ctx: int, output_rows: int | None, verify_tokens: int) -> int:
 def _native_weights(g: GGUFFile, cfg, output_rows: int | None, all_four: bool = False) -> int:
     """The native kernel's packed matrices, fused as weights.py fuses them, plus norms and biases in f32."""
     from jllm.model.qlinear import FOUR_BIT, packed_bytes
+    from jllm.model.weights import layer_matrices, output_matrix
 
     t = g.tensors
 
@@ -82,11 +75,8 @@ def _native_weights(g: GGUFFile, cfg, output_rows: int | None, all_four: bool = 
 
     total = sum(x.n_elements * 4 for x in t.values() if len(x.shape) == 1)
     for i in range(cfg.n_layers):
-        p = f"blk.{i}."
-        total += (fused([p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"])
-                  + fused([p + "attn_output.weight"]) + fused([p + "ffn_gate.weight", p + "ffn_up.weight"])
-                  + fused([p + "ffn_down.weight"]))
-    return total + fused(["token_embd.weight" if cfg.tied_embeddings else "output.weight"], output_rows)
+        total += sum(fused(names) for names in layer_matrices(i).values())
+    return total + fused([output_matrix(cfg)], output_rows)
 
 
 def plan(target: str, draft: str | None, ctx: int, precision: str, draft_precision: str = "auto",

@@ -222,6 +222,24 @@ class _Builder:
         return DenseLinear(w.to(self.device), bias)
 
 
+def layer_matrices(i: int) -> dict[str, list[str]]:
+    """The GGUF matrices of layer i, grouped as they are fused into one matrix call each (`jllm plan` sizes
+    the same groups)."""
+    p = f"blk.{i}."
+    return {"qkv": [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"],
+            "o": [p + "attn_output.weight"],
+            "gate_up": [p + "ffn_gate.weight", p + "ffn_up.weight"],
+            "down": [p + "ffn_down.weight"]}
+
+
+def output_matrix(cfg: ModelConfig) -> str:
+    return "token_embd.weight" if cfg.tied_embeddings else "output.weight"
+
+
+def _biases(names: list[str]) -> list[str]:
+    return [n.removesuffix(".weight") + ".bias" for n in names]
+
+
 def load_weights(gguf: GGUFFile, cfg: ModelConfig, precision: str, device: torch.device,
                  use_cache: bool = True, output_rows: int | None = None) -> Weights:
     """use_cache: read int8 matrices converted by an earlier load, or save them for the next one."""
@@ -230,15 +248,14 @@ def load_weights(gguf: GGUFFile, cfg: ModelConfig, precision: str, device: torch
     packing = ThreadPoolExecutor(max_workers=2, thread_name_prefix="jllm-pack")
     pending: deque = deque()
     for i in range(cfg.n_layers):
-        p = f"blk.{i}."
+        p, m = f"blk.{i}.", layer_matrices(i)
         layers.append(LayerWeights(
             attn_norm=b.vector(p + "attn_norm.weight"),
-            qkv=b.linear([p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"],
-                         [p + "attn_q.bias", p + "attn_k.bias", p + "attn_v.bias"]),
-            o=b.linear([p + "attn_output.weight"], [p + "attn_output.bias"]),
+            qkv=b.linear(m["qkv"], _biases(m["qkv"])),
+            o=b.linear(m["o"], _biases(m["o"])),
             ffn_norm=b.vector(p + "ffn_norm.weight"),
-            gate_up=b.linear([p + "ffn_gate.weight", p + "ffn_up.weight"]),
-            down=b.linear([p + "ffn_down.weight"]),
+            gate_up=b.linear(m["gate_up"]),
+            down=b.linear(m["down"]),
             q_norm=b.optional_vector(p + "attn_q_norm.weight"),
             k_norm=b.optional_vector(p + "attn_k_norm.weight"),
             post_attn_norm=b.optional_vector(p + "post_attention_norm.weight"),
@@ -250,7 +267,7 @@ def load_weights(gguf: GGUFFile, cfg: ModelConfig, precision: str, device: torch
         while len(pending) > 8:              # bound the unpacked int8 copies held at once
             pending.popleft().result()
         _release_memory(collect=False)
-    output_name = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
+    output_name = output_matrix(cfg)
     weights = Weights(
         embed=Embedding(gguf, "token_embd.weight", device),
         layers=layers,
