@@ -120,10 +120,10 @@ class Engine:
         return dg
 
     def _load_draft(self, dg, spec) -> None:
-        from jllm.spec.decode import DraftRunner, SpecConfig
+        from jllm.spec.decode import DraftRunner, SpecConfig, draft_precision_for
 
         spec = spec or SpecConfig()
-        precision = spec.draft_precision_for(self.precision)
+        precision = draft_precision_for(self.precision, spec.draft_precision)
         draft_model = load_model(dg, self.device, precision, max_positions=self.ctx_size,
                                  output_rows=spec.draft_vocab or None)
         self.draft = DraftRunner(draft_model, self.ctx_size)
@@ -231,9 +231,7 @@ class Engine:
         timings.cached_tokens = len(prompt_ids) - evaluated
         budget = min(params.max_tokens, self.ctx_size - len(prompt_ids))
         if token_source is None and self.spec is not None:
-            from jllm.spec.decode import SpeculativeDecoder
-
-            from jllm.spec.decode import DraftGate
+            from jllm.spec.decode import DraftGate, SpeculativeDecoder
 
             if self.spec_gate is None:
                 self.spec_gate = DraftGate()

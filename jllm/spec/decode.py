@@ -40,9 +40,6 @@ class SpecConfig:
     draft_precision: str = "auto"   # auto: native4 for a native target, int8-fast for an int8 one (the draft
                                     # only proposes: fewer bytes beat precision), else the target's own
 
-    def draft_precision_for(self, target_precision: str) -> str:
-        return draft_precision_for(target_precision, self.draft_precision)
-
 
 def draft_precision_for(target_precision: str, choice: str = "auto") -> str:
     if choice != "auto":
