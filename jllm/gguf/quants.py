@@ -138,12 +138,18 @@ def _q4_k(b: torch.Tensor, out: torch.Tensor) -> None:
     out.sub_(dm)
 
 
-def _q5_k(b: torch.Tensor, out: torch.Tensor) -> None:
+def q5_k_codes(b: torch.Tensor) -> torch.Tensor:
+    """Q5_K blocks [nb, 176] -> their unsigned 5-bit values, uint8 [nb, 8, 32] (also used by model/qlinear)."""
     nb = b.shape[0]
-    ds, dm = _k_scales(b)
     q = _nibbles(b[:, 48:], 4).view(nb, 8, 32)
     qh = _words(b[:, 16:48]).view(nb, 1, 4)             # bit j of byte l -> value 32j + l
     q.view(torch.int64).bitwise_or_(((qh >> _SHIFT8) & _LSB) << 4)
+    return q
+
+
+def _q5_k(b: torch.Tensor, out: torch.Tensor) -> None:
+    ds, dm = _k_scales(b)
+    q = q5_k_codes(b)
     out = out.view(-1, 8, 32)
     out.copy_(q)
     out.mul_(ds)

@@ -26,7 +26,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from jllm.gguf import quants
-from jllm.gguf.quants import _fifth_bits, _half, _k_scales, _nibbles, _words, _SHIFT8, _LSB
+from jllm.gguf.quants import _fifth_bits, _half, _k_scales, _nibbles
 
 TILE = 16
 BLOCK = 32
@@ -90,12 +90,7 @@ def block_codes(raw: torch.Tensor, ggml_type: T, rows: int, cols: int, four_bit:
     elif ggml_type in (T.Q4_K, T.Q5_K):
         b = _blocks(raw, ggml_type)
         ds, dm = _k_scales(b)
-        if ggml_type == T.Q4_K:
-            q = _nibbles(b[:, 16:], 4)
-        else:
-            q = _nibbles(b[:, 48:], 4).view(-1, 8, 32)
-            qh = _words(b[:, 16:48]).view(-1, 1, 4)
-            q.view(torch.int64).bitwise_or_(((qh >> _SHIFT8) & _LSB) << 4)
+        q = _nibbles(b[:, 16:], 4) if ggml_type == T.Q4_K else quants.q5_k_codes(b)
         s, m = ds.reshape(-1), dm.reshape(-1)
     else:                                             # Q6_K and plain floats: requantize
         v = quants.dequantize(raw, ggml_type, (rows, cols)).view(nb, BLOCK)
