@@ -51,7 +51,9 @@ def build_dir() -> Path:
 
 
 def qgemm():
-    """The compiled kernel module (qmatmul, cpu_supported), or None where it cannot run here."""
+    """The compiled kernel module (qmatmul, attention, rms_norm, glu, rope_store), or None where it cannot run
+    here. The CPU is checked before anything is compiled (/proc/cpuinfo), so a CPU without VNNI never pays
+    for a build."""
     global _module, _tried, _why_not
     with _lock:
         if _tried:
@@ -73,9 +75,6 @@ def qgemm():
                 print("jllm: compiling the CPU kernels (once, about 30 s)...", file=sys.stderr, flush=True)
             mod = ext.load(name="jllm_qgemm", sources=[str(s) for s in _SOURCES], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
                            build_directory=str(out), verbose=False)
-            if not mod.cpu_supported():
-                _why_not = "this CPU lacks AVX-512 VNNI"
-                return None
             _module = mod
         except Exception as e:                       # no compiler, no headers, read-only disk, ...
             _why_not = f"the kernels could not be built ({str(e).strip().splitlines()[-1][:200] if str(e).strip() else type(e).__name__})"
