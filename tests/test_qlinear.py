@@ -30,23 +30,17 @@ def gguf_bytes(ggml_type, rows, cols, seed=0):
     return np.ascontiguousarray(raw).reshape(-1).view(np.uint8), None
 
 
-def call(mat, x, bias=None):
-    data, offsets, four = mat
-    n = offsets.numel() - 1
-    return qgemm().qmatmul(x, data, offsets, four, mat_rows[id(mat)], bias if bias is not None else torch.empty(0),
-                           ql.GROUP_BYTES)
+def linear(matrix: ql.PackedMatrix, bias=None) -> ql.QLinear:
+    """The packed matrix as the model's linear layer (the kernel call the model makes)."""
+    data, offsets, four = matrix.pack()
+    return ql.QLinear(data, offsets, four, matrix.rows, matrix.cols, bias)
 
 
-mat_rows: dict = {}
-
-
-def packed(parts, cols):
+def packed(parts, cols, bias=None) -> ql.QLinear:
     m = ql.PackedMatrix(cols)
     for q, s, mn, four in parts:
         m.add(q, s, mn, four)
-    out = m.pack()
-    mat_rows[id(out)] = sum(p[0].shape[0] for p in parts)
-    return out
+    return linear(m, bias)
 
 
 @pytest.mark.parametrize("ggml_type", EXACT_TYPES, ids=lambda t: t.name)
@@ -89,7 +83,8 @@ def test_pack_round_trips_and_sizes_are_planned(sizes):
     rng = torch.Generator().manual_seed(1)
     cols = 96
     parts = random_parts(rng, sizes, cols)
-    data, offsets, four = mat = packed(parts, cols)
+    lin = packed(parts, cols)
+    data, offsets, four = lin.data, lin.offsets, lin.four
     n = sum(r for r, _ in sizes)
     assert data.numel() == ql.packed_bytes(sizes, cols) == int(offsets[-1])
     q, s, m = ql.unpack(data, offsets, four, n, cols)
@@ -106,13 +101,13 @@ def test_kernel_matches_float64_oracle(m_rows):
     rng = torch.Generator().manual_seed(m_rows)
     cols = 320
     parts = random_parts(rng, [(40, True), (24, False), (9, True)], cols)
-    mat = packed(parts, cols)
     n = 73
-    q, s, m = ql.unpack(*mat, n, cols)
+    bias = torch.randn(n, generator=rng)
+    lin = packed(parts, cols, bias)
+    q, s, m = ql.unpack(lin.data, lin.offsets, lin.four, n, cols)
     x = torch.randn(m_rows, cols, generator=rng)
     x[:, 7] *= 30                                    # an outlier channel, as LLM activations have
-    bias = torch.randn(n, generator=rng)
-    y = call(mat, x, bias)
+    y = lin(x)
     want = ql.reference_matmul(x, q, s, m, bias)
     assert y.shape == (m_rows, n)
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-4)
@@ -121,16 +116,16 @@ def test_kernel_matches_float64_oracle(m_rows):
 def test_rows_are_bitwise_independent_of_the_batch():
     rng = torch.Generator().manual_seed(3)
     cols = 1536
-    mat = packed(random_parts(rng, [(256, True), (64, False)], cols), cols)
+    lin = packed(random_parts(rng, [(256, True), (64, False)], cols), cols)
     x = torch.randn(24, cols, generator=rng)
-    full = call(mat, x)
+    full = lin(x)
     for i in range(24):
-        assert torch.equal(call(mat, x[i:i + 1].clone()), full[i:i + 1])
+        assert torch.equal(lin(x[i:i + 1].clone()), full[i:i + 1])
     for lo, hi in ((0, 9), (3, 12), (5, 24)):                # other chunkings of the rows
-        assert torch.equal(call(mat, x[lo:hi].clone()), full[lo:hi])
+        assert torch.equal(lin(x[lo:hi].clone()), full[lo:hi])
     other = x.clone()
     other[1:] = torch.randn(23, cols, generator=rng) * 100   # very different neighbours
-    assert torch.equal(call(mat, other)[0], full[0])
+    assert torch.equal(lin(other)[0], full[0])
 
 
 def test_kernel_on_real_q4_k_and_q6_k_weights_tracks_float(real_model):
@@ -142,11 +137,9 @@ def test_kernel_on_real_q4_k_and_q6_k_weights_tracks_float(real_model):
         rows, cols = info.shape
         m = ql.PackedMatrix(cols)
         ql.pack_gguf_rows(m, g.raw(name), info.ggml_type, rows)
-        mat = m.pack()
-        mat_rows[id(mat)] = rows
         w = quants.dequantize(g.raw(name), info.ggml_type, (rows, cols))
         x = torch.randn(3, cols)
-        y, want = call(mat, x), x @ w.T
+        y, want = linear(m)(x), x @ w.T
         rel = ((y - want).norm() / want.norm()).item()
         assert rel < 0.02, f"{name} ({info.ggml_type.name}): relative error {rel:.4f}"
 
