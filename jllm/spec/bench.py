@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import json
 import time
+from collections import defaultdict
 
 import torch
 
 from jllm.errors import JllmError
-from collections import defaultdict
-
 from jllm.sampling import SamplingParams
 from jllm.spec.corpus import load_corpus
 
@@ -115,19 +114,20 @@ def run(a) -> int:
     cfg = SpecConfig(mode=mode, draft_max=a.draft_max, draft_min=a.draft_min, p_min=a.draft_p_min)
     eng = Engine(str(resolve(a.model)), device=a.device, precision=a.precision, ctx_size=a.ctx_size,
                  threads=a.threads, draft_path=draft, spec=cfg)
-    if getattr(a, "wrong_draft", False):
+    wrong_draft = getattr(a, "wrong_draft", False)
+    if wrong_draft:
         if eng.draft is None:
             raise JllmError("--wrong-draft needs a draft model (-md)")
         make_draft_wrong(eng)
     t0 = time.perf_counter()
     s = run_corpus(eng, cfg, max_tokens=a.n_predict, limit=a.limit)
     print_summary(s)
-    wrong = " (always wrong)" if getattr(a, "wrong_draft", False) else ""
+    wrong = " (always wrong)" if wrong_draft else ""
     print(f"\n{eng.gguf.path.name} + {a.draft_model or 'no draft'}{wrong}, mode {mode}, precision {eng.precision}, "
           f"max {a.n_predict} tokens, {time.perf_counter() - t0:.0f} s")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"model": eng.gguf.path.name, "draft": a.draft_model, "mode": mode,
-                       "wrong_draft": bool(getattr(a, "wrong_draft", False)),
+                       "wrong_draft": bool(wrong_draft),
                        "precision": eng.precision, "max_tokens": a.n_predict, **s}, f, indent=1)
     return 0

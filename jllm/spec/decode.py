@@ -258,9 +258,9 @@ class DraftGate:
     def record(self, arm: str, seconds: float, tokens: int) -> None:
         c = seconds / max(tokens, 1)
         old = self.cost[arm]
-        self.cost[arm] = c if old is None else self.decay * old + (1 - self.decay) * c
-        if arm == "draft" and self._trial:          # a trial is the freshest evidence: it alone decides
-            self.cost[arm] = c
+        trial = arm == "draft" and self._trial      # a trial is the freshest evidence: it alone decides
+        self.cost[arm] = c if old is None or trial else self.decay * old + (1 - self.decay) * c
+        if trial:
             self._trial = False
             plain = self.cost["plain"]
             self.lost = self.lost + 1 if plain is not None and self.cost["draft"] > plain else 0
