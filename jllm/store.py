@@ -115,12 +115,9 @@ DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
 
 def models_dir() -> Path:
     """Where assembled models live: $JLLM_MODELS_DIR, else the user cache dir's `jllm/models`."""
-    env = os.environ.get("JLLM_MODELS_DIR")
-    if env:
-        return Path(env).expanduser()
-    import platformdirs
+    from jllm.paths import cache_dir
 
-    return Path(platformdirs.user_cache_dir("jllm")) / "models"
+    return cache_dir("models", "JLLM_MODELS_DIR")
 
 
 def _alias_list() -> str:

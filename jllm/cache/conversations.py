@@ -12,16 +12,15 @@ import os
 import tempfile
 from pathlib import Path
 
-from platformdirs import user_cache_dir
-
 from jllm.cache.store import check_conversation_id
 from jllm.errors import JllmError
+from jllm import paths
 
 VERSION = 1
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("JLLM_CACHE_DIR") or Path(user_cache_dir("jllm")) / "kv-cache")
+    return paths.cache_dir("kv-cache", "JLLM_CACHE_DIR")
 
 
 def _path(cache_dir: Path, conv_id: str) -> Path:

@@ -42,12 +42,11 @@ def _cpu_has_vnni() -> bool:
 def build_dir() -> Path:
     import torch
 
-    import platformdirs
+    from jllm.paths import cache_dir
 
     ident = hashlib.sha256(b"".join(s.read_bytes() for s in _SOURCES + [_HEADER]) + " ".join(_FLAGS).encode()
                            + torch.__version__.encode())
-    base = os.environ.get("JLLM_KERNELS_DIR") or Path(platformdirs.user_cache_dir("jllm")) / "kernels"
-    return Path(base) / ident.hexdigest()[:16]
+    return cache_dir("kernels", "JLLM_KERNELS_DIR") / ident.hexdigest()[:16]
 
 
 def qgemm():
