@@ -132,15 +132,13 @@ class PackedMatrix:
         q = torch.cat([p[0] for p in self.parts])
         s = torch.cat([p[1] for p in self.parts])
         m = torch.cat([p[2] for p in self.parts])
-        row_four = torch.cat([torch.full((p[0].shape[0],), p[3]) for p in self.parts])
+        four = _tile_widths([(p[0].shape[0], p[3]) for p in self.parts])
         self.parts = []
         pad = -q.shape[0] % TILE
         if pad:
             q = torch.cat([q, q.new_zeros(pad, q.shape[1])])
             s = torch.cat([s, s.new_zeros(pad, s.shape[1])])
             m = torch.cat([m, m.new_zeros(pad, m.shape[1])])
-            row_four = torch.cat([row_four, torch.ones(pad, dtype=torch.bool)])
-        four = row_four.view(-1, TILE).all(dim=1)
         blobs, t0 = [], 0
         flags = four.tolist()
         while t0 < len(flags):                         # runs of tiles of one width
@@ -150,22 +148,26 @@ class PackedMatrix:
             r0, r1 = t0 * TILE, t1 * TILE
             blobs.append(_pack_tiles(q[r0:r1], s[r0:r1], m[r0:r1], flags[t0]).reshape(-1))
             t0 = t1
-        sizes = torch.tensor([self._tile_bytes(f) for f in flags], dtype=torch.int64)
+        sizes = torch.tensor([_tile_bytes(self.cols, f) for f in flags], dtype=torch.int64)
         offsets = torch.zeros(len(flags) + 1, dtype=torch.int64)
         torch.cumsum(sizes, 0, out=offsets[1:])
         return torch.cat(blobs), offsets, four
 
-    def _tile_bytes(self, four: bool) -> int:
-        nb = self.cols // BLOCK
-        return nb * ((256 if four else 512) + 4 * TILE)
+
+def _tile_widths(parts: list[tuple[int, bool]]) -> torch.Tensor:
+    """Row blocks [(rows, four)] -> bool per tile of 16 rows: 4-bit when all its rows are (padding rows are)."""
+    row_four = torch.cat([torch.full((rows,), four) for rows, four in parts])
+    row_four = torch.cat([row_four, torch.ones(-row_four.numel() % TILE, dtype=torch.bool)])
+    return row_four.view(-1, TILE).all(dim=1)
+
+
+def _tile_bytes(cols: int, four: bool) -> int:
+    return cols // BLOCK * ((256 if four else 512) + 4 * TILE)
 
 
 def packed_bytes(parts: list[tuple[int, bool]], cols: int) -> int:
     """Bytes PackedMatrix.pack will produce for row blocks [(rows, four)] of width cols (for `jllm plan`)."""
-    flags = [f for rows, f in parts for _ in range(rows)]
-    flags += [True] * (-len(flags) % TILE)
-    nb = cols // BLOCK
-    return sum(nb * ((256 if all(flags[i:i + TILE]) else 512) + 4 * TILE) for i in range(0, len(flags), TILE))
+    return sum(_tile_bytes(cols, four) for four in _tile_widths(parts).tolist())
 
 
 def pack_gguf_rows(matrix: PackedMatrix, raw: np.ndarray | torch.Tensor, ggml_type: T, rows: int,
