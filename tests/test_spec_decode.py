@@ -138,69 +138,62 @@ def test_tokenizer_gate_refuses_cross_family_draft(paths):
         engine(paths["target"], paths["llama"], mode="draft")
 
 
-def test_draft_gate_prefers_the_cheaper_proposer_and_keeps_exploring():
+def drive(gate, rounds: int, tokens) -> list[str]:
+    """Run a gate for some rounds: a target step takes 40 ms, a draft step 10 ms (d = 0.25), a draft round
+    drafts 3 tokens in 3 forward passes and emits tokens(i) of them (i: the round's index)."""
+    picks = []
+    for i in range(rounds):
+        arm = gate.choose()
+        picks.append(arm)
+        if arm == "draft":
+            gate.observe(0.04 * (1 + 0.1 * 3), 3, 0.01)
+            gate.record(tokens(i), 3, 3)
+        else:
+            gate.observe(0.04, 0)
+    return picks
+
+
+def test_draft_gate_keeps_a_draft_that_pays_and_drops_one_that_does_not():
     from jllm.spec.decode import DraftGate
 
-    gate = DraftGate(explore=5)
-    picks = []
-    for _ in range(40):
-        arm = gate.choose()
-        picks.append(arm)
-        # drafting costs 0.03 s per emitted token, a plain step 0.05 s: the draft pays here
-        gate.record(arm, 0.03 if arm == "draft" else 0.05, 1)
-    assert picks.count("draft") > 30 and "plain" in picks[5:]
-    gate = DraftGate(explore=5)
-    picks = []
-    for _ in range(40):
-        arm = gate.choose()
-        picks.append(arm)
-        gate.record(arm, 0.08 if arm == "draft" else 0.05, 1)      # now it does not
-    assert picks[10:].count("plain") > 20 and "draft" in picks[10:]
+    # 2.2 tokens for 3 * 0.25 + 1.3 = 2.05 steps: the draft pays, it runs every round
+    assert drive(DraftGate(explore=5), 40, lambda i: 2.2) == ["draft"] * 40
+    # 1.8 tokens for 2.05 steps: it does not; after the 3 rounds of warm-up decoding is plain but for trials
+    gate = DraftGate(explore=5, max_explore=5, give_up=99)
+    picks = drive(gate, 40, lambda i: 1.8)
+    assert picks[:3] == ["draft"] * 3 and picks[3:].count("plain") > 20 and "draft" in picks[10:]
+    assert 0.85 < gate.value() < 0.9
 
 
 def test_draft_gate_backs_off_from_a_draft_that_keeps_losing():
     from jllm.spec.decode import DraftGate
 
-    gate = DraftGate(explore=12, max_explore=96)
-    picks = []
-    for _ in range(400):
-        arm = gate.choose()
-        picks.append(arm)
-        gate.record(arm, 0.2 if arm == "draft" else 0.05, 1)
-    trials = [i for i, a in enumerate(picks) if a == "draft"][3:]      # after the first three rounds
-    assert len(trials) == 3, trials                        # then it gives up (a fixed interval: 33 retries)
-    assert all(b - a >= 12 for a, b in zip(trials, trials[1:]))
-    gate = DraftGate(explore=12, give_up=3)                 # a draft that wins again is kept
-    picks = []
-    for i in range(200):
-        arm = gate.choose()
-        picks.append(arm)
-        gate.record(arm, (0.2 if i < 30 else 0.01) if arm == "draft" else 0.05, 1)
-    assert picks[-50:].count("draft") > 40
+    picks = drive(DraftGate(explore=12, max_explore=96, trial_rounds=2), 400, lambda i: 1)
+    trials = [i for i, a in enumerate(picks) if a == "draft"][3:]      # after the three rounds of warm-up
+    assert len(trials) == 6, trials                        # 3 trials of 2 rounds, then it gives up
+    starts = trials[::2]
+    assert [b - a for a, b in zip(starts, starts[1:])] == [1 + 24, 1 + 48]   # doubling, from a trial's end
+    # a draft that starts paying again wins its next trial and is kept
+    picks = drive(DraftGate(explore=12, give_up=3), 200, lambda i: 1 if i < 30 else 3)
+    assert picks[-50:] == ["draft"] * 50
 
 
-def test_draft_gate_carries_its_costs_into_the_next_generation():
+def test_draft_gate_carries_its_estimates_into_the_next_generation():
     from jllm.spec.decode import DraftGate
 
-    gate = DraftGate(explore=12, max_explore=96, give_up=3)
-    for _ in range(400):                                    # turn 1: the draft always loses, is given up
-        arm = gate.choose()
-        gate.record(arm, 0.2 if arm == "draft" else 0.05, 1)
+    gate = DraftGate(explore=12, max_explore=96, give_up=3, trial_rounds=2)
+    drive(gate, 400, lambda i: 1)                          # turn 1: the draft always loses, is given up
     assert gate.lost == 3
-    gate.new_generation()                                   # turn 2: no free draft rounds, one more trial
-    picks = []
-    for _ in range(100):
-        arm = gate.choose()
-        picks.append(arm)
-        gate.record(arm, 0.2 if arm == "draft" else 0.05, 1)
-    assert picks[:11] == ["plain"] * 11 and picks.count("draft") == 1
+    gate.new_generation()                                  # turn 2: no free rounds, one more trial
+    picks = drive(gate, 100, lambda i: 1)
+    assert picks[:11] == ["plain"] * 11 and picks.count("draft") == 2
 
 
 def test_engine_keeps_one_gate_across_turns(paths):
     eng = engine(paths["target"], paths["other"], mode="draft", p_min=0.0, precision="native")
     eng.generate(PROMPT, SamplingParams(max_tokens=8))
     gate = eng.spec_gate
-    assert gate is not None and gate.cost["draft"] is not None
+    assert gate is not None and gate.value() is not None
     eng.generate(PROMPT + " again", SamplingParams(max_tokens=8))
     assert eng.spec_gate is gate
 

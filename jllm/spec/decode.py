@@ -87,6 +87,7 @@ class DraftRunner:
         self.cache = model.new_cache(ctx_size)
         self.ids: list[int] = []
         self.device = model.device
+        self.forwards, self.step_s = 0, None          # of the latest propose()
 
     def sync(self, context: list[int]) -> torch.Tensor:
         """Make the cache hold `context`; returns the logits after its last token."""
@@ -95,13 +96,15 @@ class DraftRunner:
 
     def propose(self, context: list[int], k: int, p_min: float, params: SamplingParams,
                 gen: torch.Generator | None) -> tuple[list[int], torch.Tensor | None]:
-        """Up to k tokens; with sampling also their distributions q [n, V]. Stops early when unsure."""
+        """Up to k tokens; with sampling also their distributions q [n, V]. Stops early when unsure.
+        Afterwards `forwards` is the number of forward passes it made and `step_s` the time of its last
+        one-token step (None if it made none)."""
         logits = self.sync(context)
+        self.forwards, self.step_s = 1, None
         drafts, qs = [], []
         for i in range(k):
             if params.greedy:
-                pr = torch.softmax(logits.float(), -1)
-                top_p, tok = pr.max(-1)
+                top_p, tok = torch.softmax(logits.float(), -1).max(-1)
                 if i > 0 and top_p.item() < p_min:
                     break
                 tok = int(tok)
@@ -113,7 +116,10 @@ class DraftRunner:
                 qs.append(q)
             drafts.append(tok)
             if i + 1 < k:
+                t = time.perf_counter()
                 logits = self.model.forward(torch.tensor([tok], device=self.device), self.cache)[-1]
+                self.step_s = time.perf_counter() - t
+                self.forwards += 1
                 self.ids.append(tok)
         return drafts, (torch.stack(qs) if qs else None)
 
@@ -164,7 +170,6 @@ class SpeculativeDecoder:
             if emitted >= budget or last in eng.tokenizer.eot_ids:
                 return
             room = min(budget - emitted - 1, eng.ctx_size - eng.cache.length - 2)
-            t_round = time.perf_counter()
             kind, drafts, q = self._propose(history, room, params, gen) if room > 0 else ("ngram", [], None)
             t0 = time.perf_counter()
             before = eng.cache.length
@@ -182,9 +187,12 @@ class SpeculativeDecoder:
             keep = n if stop is None else stop        # like plain decoding, never keep an end-of-turn token
             eng.cache.truncate(before + 1 + keep)
             eng.cached_ids = eng.cached_ids[:before] + [last] + drafts[:keep]
-            self.stats.verify_s += time.perf_counter() - t0
-            if kind != "ngram" or not drafts:          # n-gram rounds are free to propose: not the gate's business
-                self.gate.record("draft" if kind == "draft" else "plain", time.perf_counter() - t_round, n + 1)
+            verify_s = time.perf_counter() - t0
+            self.stats.verify_s += verify_s
+            drafted = kind == "draft"
+            self.gate.observe(verify_s, len(drafts), self.draft.step_s if drafted else None)
+            if drafted:
+                self.gate.record(n + 1, self.draft.forwards, len(drafts))
             if drafts:
                 self.stats.record(kind, len(drafts), n)
                 self._adapt(kind, len(drafts), n)
@@ -210,57 +218,89 @@ class SpeculativeDecoder:
 
 
 class DraftGate:
-    """Decides, round by round, whether running the draft model pays: it keeps the measured seconds per emitted
-    token of draft rounds and of plain rounds (one target step, no draft) as moving averages, uses the
-    cheaper, and tries the other every `explore` rounds, since acceptance drifts with the text. A losing draft
-    is retried ever less often (the interval doubles up to `max_explore` rounds, and resets once the draft wins
-    again): each trial costs its draft steps and the draft's catch-up on the tokens emitted since its last
-    use, which made an always-wrong draft cost ~15 % of plain speed at a fixed interval. After `give_up`
-    trials in a row that the draft lost, it is not tried again in this generation. Only the choice of
-    proposer changes, never what is emitted, so exactness is untouched."""
+    """Decides, round by round, whether running the draft model pays. It judges the draft by a cost model in
+    units of one target step, from the rounds' outcomes, not by comparing seconds per token of draft rounds
+    with those of plain rounds: on a shared host a step's time swings by a third from one minute to the next,
+    and the timing comparison gave up on drafts that paid. A draft round that emits t tokens after f draft
+    forward passes and a verify pass over k drafts costs
+        f * d + 1 + row_cost * k        target steps,
+    d being the draft step's time over the target step's, both measured in the same rounds (they drift
+    together, so their ratio is steady). The draft runs while the moving averages give tokens per cost >= 1.
 
-    def __init__(self, explore: int = 12, decay: float = 0.8, max_explore: int = 96, give_up: int = 3):
-        self.cost = {"draft": None, "plain": None}
-        self.rounds = 0
-        self.explore, self.decay, self.max_explore, self.give_up = explore, decay, max_explore, give_up
-        self.interval = explore                   # rounds until the other arm's next trial
-        self.next_trial = explore
-        self.lost = 0                             # draft trials lost in a row
-        self._trial = False
+    When it loses, decoding goes plain and the draft gets a trial of `trial_rounds` rounds every `interval`
+    rounds, since acceptance drifts with the text; the interval doubles up to `max_explore` while trials keep
+    losing (each trial costs its draft steps and the draft's catch-up on the tokens emitted since its last
+    use), and after `give_up` lost trials in a row the draft rests for the rest of the generation. Only the
+    choice of proposer changes, never what is emitted, so exactness is untouched."""
+
+    def __init__(self, explore: int = 12, max_explore: int = 96, give_up: int = 3, trial_rounds: int = 2,
+                 decay: float = 0.8, row_cost: float = 0.1, warmup: int = 3):
+        self.explore, self.max_explore, self.give_up, self.trial_rounds = explore, max_explore, give_up, trial_rounds
+        self.decay, self.row_cost, self.warmup = decay, row_cost, warmup
+        self.stats = None            # moving averages per draft round: [tokens, draft forwards, drafts k]
+        self.draft_step = None       # seconds per draft forward pass of one token
+        self.target_step = None      # seconds per target step, from verify passes: time / (1 + row_cost * k)
+        self.evidence = 0            # draft rounds seen
+        self.lost = 0                # trials lost in a row
+        self.new_generation()
 
     def new_generation(self) -> None:
-        """Start a generation (a new turn): cost estimates are kept, so a draft that lost last turn does not
-        get three free rounds again, but the trial schedule restarts and a given-up draft gets one more trial
-        (the new text may suit it)."""
+        """Start a generation (a new turn). The estimates are kept, so a draft that lost last turn gets no
+        free rounds again, but the trial schedule restarts and a given-up draft gets one more trial (the new
+        text may suit it)."""
         self.rounds = 0
-        self.interval, self.next_trial = self.explore, self.explore
+        self.interval = self.explore
+        self.next_trial = self.explore
         self.lost = min(self.lost, self.give_up - 1)
-        self._trial = False
+        self.trial_left, self.trial = 0, []
+        value = self.value()
+        self.drafting = value is None or value >= 1.0
+
+    def value(self) -> float | None:
+        """Expected tokens per unit of cost of a draft round (> 1: drafting beats plain decoding)."""
+        if self.stats is None or self.draft_step is None or self.target_step is None:
+            return None
+        tokens, forwards, k = self.stats
+        d = self.draft_step / self.target_step
+        return tokens / (forwards * d + 1 + self.row_cost * k)
 
     def choose(self) -> str:
         self.rounds += 1
-        d, p = self.cost["draft"], self.cost["plain"]
-        if d is None:
+        if self.drafting or self.trial_left:
             return "draft"
-        if p is None:
-            return "plain" if self.rounds > 3 else "draft"
-        best, other = ("draft", "plain") if d <= p else ("plain", "draft")
-        if best == "draft":
-            self.interval = self.explore
-        if self.rounds >= self.next_trial and not (other == "draft" and self.lost >= self.give_up):
-            if other == "draft":
-                self.interval = min(2 * self.interval, self.max_explore)
-                self._trial = True
-            self.next_trial = self.rounds + self.interval
-            return other
-        return best
+        if self.rounds >= self.next_trial and self.lost < self.give_up:
+            self.trial_left, self.trial = self.trial_rounds, []
+            return "draft"
+        return "plain"
 
-    def record(self, arm: str, seconds: float, tokens: int) -> None:
-        c = seconds / max(tokens, 1)
-        old = self.cost[arm]
-        trial = arm == "draft" and self._trial      # a trial is the freshest evidence: it alone decides
-        self.cost[arm] = c if old is None or trial else self.decay * old + (1 - self.decay) * c
-        if trial:
-            self._trial = False
-            plain = self.cost["plain"]
-            self.lost = self.lost + 1 if plain is not None and self.cost["draft"] > plain else 0
+    def observe(self, verify_s: float, k: int, draft_step_s: float | None = None) -> None:
+        """Times of one round: its verify pass over k drafts, and the draft's one-token step if it ran one."""
+        self.target_step = self._avg(self.target_step, verify_s / (1 + self.row_cost * k))
+        if draft_step_s is not None:
+            self.draft_step = self._avg(self.draft_step, draft_step_s)
+
+    def record(self, tokens: int, forwards: int, k: int) -> None:
+        """A draft round's outcome: tokens emitted (accepted + 1), draft forward passes, drafts verified."""
+        row = [float(tokens), float(forwards), float(k)]
+        self.evidence += 1
+        if self.trial_left:
+            self.trial.append(row)
+            self.trial_left -= 1
+            if self.trial_left:
+                return
+            self.stats = [sum(c) / len(c) for c in zip(*self.trial)]      # fresh evidence replaces the old
+            if self.value() >= 1.0:
+                self.drafting, self.lost, self.interval = True, 0, self.explore
+            else:
+                self.lost += 1
+                self.interval = min(2 * self.interval, self.max_explore)
+                self.next_trial = self.rounds + self.interval
+            return
+        self.stats = row if self.stats is None else [
+            self.decay * a + (1 - self.decay) * b for a, b in zip(self.stats, row)]
+        if self.evidence >= self.warmup and self.value() < 1.0:
+            self.drafting = False
+            self.next_trial = self.rounds + self.interval
+
+    def _avg(self, old: float | None, new: float) -> float:
+        return new if old is None else self.decay * old + (1 - self.decay) * new

@@ -1,0 +1,251 @@
+"""What speculative decoding can reach on the corpus, before building it: record, once, the target's greedy
+output and the draft's prediction at every position of it; then replay drafting policies over those traces
+with a cost model (draft step d, verify pass V(k), in units of one target decode step).
+
+Replaying is exact for greedy decoding: the draft always drafts from an accepted prefix, which is the
+target's own output, so "the draft's token at position i given the target's prefix" is all a policy sees.
+
+    python benchmarks/spec_sim.py trace [--out F]        # ~5 min: target output + draft predictions
+    python benchmarks/spec_sim.py costs                   # measured d and V(k) on this machine
+    python benchmarks/spec_sim.py sim [--traces F]        # policies x costs -> predicted speedup
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).with_name("results")
+TRACES = RESULTS / "spec_traces.json"
+
+
+def trace(a) -> None:
+    from jllm.engine import Engine
+    from jllm.sampling import SamplingParams
+    from jllm.spec.corpus import load_corpus
+    from jllm.spec.decode import SpecConfig
+    from jllm.store import resolve
+
+    eng = Engine(str(resolve(a.model)), draft_path=str(resolve(a.draft)), spec=SpecConfig())
+    draft = eng.draft.model
+    rows = []
+    for item in load_corpus():
+        ids = eng.chat_ids(item["messages"])
+        eng.cache.truncate(0), setattr(eng, "cached_ids", [])
+        eng.draft.cache.truncate(0), setattr(eng.draft, "ids", [])
+        out = eng.generate(ids, SamplingParams(max_tokens=a.n)).token_ids
+        cache = draft.new_cache(len(ids) + len(out) + 8)
+        with torch.inference_mode():
+            logits = draft.forward(torch.tensor(ids + out[:-1]), cache)[len(ids) - 1:]   # predicts out[i]
+            p = torch.softmax(logits.float(), -1)
+            top2 = p.topk(2, -1)
+        rows.append({"id": item["id"], "category": item["category"], "prompt": ids, "out": out,
+                     "draft": top2.indices[:, 0].tolist(), "draft_p": [round(x, 4) for x in top2.values[:, 0].tolist()],
+                     "draft2": top2.indices[:, 1].tolist(), "draft2_p": [round(x, 4) for x in top2.values[:, 1].tolist()]})
+        hit = sum(x == y for x, y in zip(rows[-1]["draft"], out)) / len(out)
+        print(f"{item['id']:<28} {len(out):>4} tokens, draft top-1 agrees {hit:.2f}", flush=True)
+    Path(a.out).write_text(json.dumps({"model": a.model, "draft": a.draft, "rows": rows}))
+
+
+def costs(a) -> None:
+    """Interleaved timings: target step, target verify of k+1 tokens, draft step; median of rounds."""
+    from jllm.model.loader import load_model
+    from jllm.store import resolve
+
+    tgt = load_model(resolve(a.model), "cpu", None)
+    dr = load_model(resolve(a.draft), "cpu", "native4", output_rows=32768)
+    tc, dc = tgt.new_cache(1024), dr.new_cache(1024)
+    ids = torch.randint(0, 1000, (300,))
+    tgt.forward(ids, tc), dr.forward(ids, dc)
+    ks = list(range(0, 9))
+    times = {k: [] for k in ks}
+    dtimes = []
+    for _ in range(a.repeat):
+        for k in ks:
+            t = time.perf_counter()
+            tgt.forward(ids[:k + 1], tc)
+            times[k].append(time.perf_counter() - t)
+            tc.truncate(300)
+        t = time.perf_counter()
+        dr.forward(ids[:1], dc)
+        dtimes.append(time.perf_counter() - t)
+        dc.truncate(300)
+    med = lambda xs: sorted(xs)[len(xs) // 2]
+    step = med(times[0])
+    print(f"target step {step * 1000:.1f} ms, draft step {med(dtimes) * 1000:.1f} ms (d = {med(dtimes) / step:.3f})")
+    print("V(k):", " ".join(f"{k}:{med(times[k]) / step:.2f}" for k in ks))
+
+
+# ---------------------------------------------------------------- replay
+
+def ngram_lookup(ctx: list[int], k: int, max_n: int = 4) -> tuple[list[int], int]:
+    from jllm.spec.ngram import find_ngram
+
+    return find_ngram(ctx, k, max_n, 1)
+
+
+def replay(row: dict, policy: dict, d: float, V) -> tuple[float, int, int, int]:
+    """-> (cost in target steps, tokens emitted, drafted, accepted) for one prompt."""
+    out, dr, dp = row["out"], row["draft"], row["draft_p"]
+    ctx = list(row["prompt"])
+    n_out = len(out)
+    i = 1                      # out[0] comes from the prefill; position i is the next token to decide
+    ctx.append(out[0])
+    cost, drafted, accepted = 0.0, 0, 0
+    kd, kn = policy.get("k0", 4), policy["kmax"]
+    use_ngram = policy.get("ngram", True)
+    while i < n_out:
+        room = n_out - i - 1
+        drafts, kind = [], None
+        if use_ngram and room > 0:
+            prop, m = ngram_lookup(ctx, min(kn, room))
+            if prop and m >= policy.get("ngram_min", 3):
+                drafts, kind = prop, "ngram"
+        if kind is None and policy.get("draft", True) and room > 0:
+            kind = "draft"
+            for j in range(min(kd, room)):
+                pos = i + j
+                if j > 0 and dp[pos] < policy["p_min"]:
+                    break
+                drafts.append(dr[pos])
+                if dr[pos] != out[pos]:
+                    # the real draft drafts on, unaware; what follows a wrong token is rejected anyway, and
+                    # its confidence there is approximated by the confidence on the right prefix
+                    for jj in range(j + 1, min(kd, room)):
+                        if dp[i + jj] < policy["p_min"]:
+                            break
+                        drafts.append(-1)
+                    break
+            cost += d * max(len(drafts), 1) * policy.get("draft_scale", 1.0)
+        n = 0
+        while n < len(drafts) and drafts[n] == out[i + n]:
+            n += 1
+        cost += V(len(drafts))
+        if drafts:
+            drafted += len(drafts)
+            accepted += n
+            if kind == "draft":
+                if n == len(drafts):
+                    kd = min(policy["kmax"], kd + 1)
+                elif n == 0:
+                    kd = 1
+                elif n < len(drafts) // 2:
+                    kd = max(1, kd - 1)
+            else:
+                kn = min(policy["kmax"], kn + 1) if n == len(drafts) else max(1, n + 1)
+        ctx.extend(out[i:i + n + 1])
+        i += n + 1
+    return cost, n_out - 1, drafted, accepted
+
+
+def sim(a) -> None:
+    data = json.loads(Path(a.traces).read_text())
+    rows = data["rows"]
+    Vtab = [1.0, 1.05, 1.1, 1.19, 1.35, 1.45, 1.6, 1.75, 1.95]
+    if a.V:
+        Vtab = [float(x) for x in a.V.split(",")]
+    V = lambda k: Vtab[min(k, len(Vtab) - 1)]
+    cats = sorted({r["category"] for r in rows})
+    print(f"V(k) = {Vtab}")
+    for d in [float(x) for x in a.d.split(",")]:
+        for pmin in (0.0, 0.4, 0.6, 0.8):
+            for kmax in (4, 8):
+                pol = {"kmax": kmax, "p_min": pmin, "k0": 4}
+                res = {c: [0.0, 0, 0, 0] for c in cats + ["ALL"]}
+                for r in rows:
+                    c, t, dd, acc = replay(r, pol, d, V)
+                    for key in (r["category"], "ALL"):
+                        res[key][0] += c; res[key][1] += t; res[key][2] += dd; res[key][3] += acc
+                s = " ".join(f"{c[:5]}:{v[1] / v[0]:.2f}" for c, v in res.items())
+                print(f"d={d:.2f} p_min={pmin:.1f} kmax={kmax}  {s}  alpha={res['ALL'][3] / max(res['ALL'][2], 1):.2f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for name in ("trace", "costs", "sim", "variant"):
+        p = sub.add_parser(name)
+        p.add_argument("-m", "--model", default="qwen2.5-coder-1.5b")
+        p.add_argument("-md", "--draft", default="qwen2.5-coder-0.5b")
+        p.add_argument("-n", type=int, default=128)
+        p.add_argument("--out", default=str(TRACES))
+        p.add_argument("--traces", default=str(TRACES))
+        p.add_argument("--repeat", type=int, default=15)
+        p.add_argument("--d", default="0.3,0.2,0.15,0.1,0.05")
+        p.add_argument("--V", default=None)
+        p.add_argument("--d0", type=float, default=0.27, help="variant: the full draft's step cost")
+        p.add_argument("--skips", default="", help="variant: ;-separated lists of draft layers to drop")
+        p.add_argument("--keeps", default="1,0.5,0.4,0.3,0.2", help="variant: shares of MLP channels kept")
+    a = ap.parse_args()
+    {"trace": trace, "costs": costs, "sim": sim, "variant": variant}[a.cmd](a)
+
+
+
+def variant(a) -> None:
+    """Draft variants against the recorded traces: how often the draft's top-1 equals the target's token,
+    and the replayed speedup with the draft step's cost scaled by the share of its bytes it reads."""
+    from jllm.model.loader import load_model
+    from jllm.store import resolve
+
+    data = json.loads(Path(a.traces).read_text())
+    draft = load_model(resolve(a.draft), "cpu", "native4", output_rows=32768)
+    layers = list(draft.w.layers)
+    per_layer = sum(l.nbytes() for l in (layers[0].qkv, layers[0].o, layers[0].gate_up, layers[0].down))
+    total = per_layer * len(layers) + draft.w.output.nbytes()
+    Vtab = [float(x) for x in a.V.split(",")] if a.V else [1, 1.09, 1.15, 1.25, 1.45, 1.6, 1.75, 1.9, 2.05]
+    V = lambda k: Vtab[min(k, len(Vtab) - 1)]
+    kernels = draft.kernels
+    mlp = sum(l.gate_up.nbytes() + l.down.nbytes() for l in layers)
+
+    class Sparse:                      # the MLP keeps only the `keep` share of channels with the largest |act(gate)|
+        keep = 1.0
+
+        def __getattr__(self, name):
+            return getattr(kernels, name)
+
+        def glu(self, gu, gelu):
+            f = gu.shape[1] // 2
+            g = torch.nn.functional.silu(gu[:, :f])
+            n = max(1, int(self.keep * f))
+            idx = g.abs().topk(n, -1).indices
+            h = torch.zeros_like(g)
+            h.scatter_(1, idx, g.gather(1, idx) * gu[:, f:].gather(1, idx))
+            return h
+
+    draft.kernels = Sparse()
+    variants = [("drop", s) for s in a.skips.split(";") if s] + [("keep", k) for k in a.keeps.split(",")]
+    for kind, arg in variants:
+        drop = {int(x) for x in arg.split(",")} if kind == "drop" else set()
+        Sparse.keep = float(arg) if kind == "keep" else 1.0
+        draft.w.layers = [l for i, l in enumerate(layers) if i not in drop]
+        share = (per_layer * len(draft.w.layers) + draft.w.output.nbytes()) / total
+        share -= mlp / total * 2 / 3 * (1 - Sparse.keep)      # gate read whole, up rows and down columns by keep
+        hits = n = 0
+        rows = []
+        for r in data["rows"]:
+            ids, out = r["prompt"], r["out"]
+            cache = draft.new_cache(len(ids) + len(out) + 8)
+            with torch.inference_mode():
+                p = torch.softmax(draft.forward(torch.tensor(ids + out[:-1]), cache)[len(ids) - 1:].float(), -1)
+                top = p.max(-1)
+            v = dict(r, draft=top.indices.tolist(), draft_p=top.values.tolist())
+            rows.append(v)
+            hits += sum(x == y for x, y in zip(v["draft"], out))
+            n += len(out)
+        res = []
+        for pmin in (0.6, 0.8):
+            c = t = 0.0
+            for v in rows:
+                cc, tt, _, _ = replay(v, {"kmax": 4, "p_min": pmin, "k0": 4}, a.d0 * share, V)
+                c += cc
+                t += tt
+            res.append(f"p_min {pmin}: {t / c:.3f}x")
+        print(f"{kind} {arg}: bytes {share:.2f}, agree {hits / n:.3f}, " + ", ".join(res), flush=True)
+
+
+if __name__ == "__main__":
+    main()
