@@ -12,6 +12,7 @@ import sys
 import time
 
 from jllm.errors import JllmError
+from jllm.spec import DRAFT_MAX, DRAFT_MIN, P_MIN
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -97,10 +98,12 @@ def _spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec", default=None, choices=MODES, help="speculation: auto (draft+ngram with a draft "
                    "model, else ngram), draft, ngram, draft+ngram, none (default: on with -md, or per "
                    "JLLM_SPEC_DECODE=1|0)")
-    p.add_argument("--draft-max", type=int, default=8, help="most tokens drafted per round (default 8)")
-    p.add_argument("--draft-min", type=int, default=1, help="fewest tokens drafted per round (default 1)")
-    p.add_argument("--draft-p-min", type=float, default=0.6,
-                   help="stop drafting when the draft's top probability is below this (default 0.6)")
+    p.add_argument("--draft-max", type=int, default=DRAFT_MAX,
+                   help=f"most tokens drafted per round (default {DRAFT_MAX})")
+    p.add_argument("--draft-min", type=int, default=DRAFT_MIN,
+                   help=f"fewest tokens drafted per round (default {DRAFT_MIN})")
+    p.add_argument("--draft-p-min", type=float, default=P_MIN,
+                   help=f"stop drafting when the draft's top probability is below this (default {P_MIN})")
 
 
 def _cache_dir(a: argparse.Namespace):
@@ -452,9 +455,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="speculative decoding on the prompt corpus: plain vs speculative, per category")
     b.add_argument("-md", "--draft-model", default=None, help="draft model for --spec")
     b.add_argument("--spec-mode", default=None, choices=["auto", "draft", "ngram", "draft+ngram"])
-    b.add_argument("--draft-max", type=int, default=8)
-    b.add_argument("--draft-min", type=int, default=1)
-    b.add_argument("--draft-p-min", type=float, default=0.6)
+    b.add_argument("--draft-max", type=int, default=DRAFT_MAX)
+    b.add_argument("--draft-min", type=int, default=DRAFT_MIN)
+    b.add_argument("--draft-p-min", type=float, default=P_MIN)
     b.add_argument("-n", "--n-predict", type=int, default=128, help="tokens per prompt for --spec")
     b.add_argument("--limit", type=int, default=None, help="only the first N corpus prompts")
     b.add_argument("--wrong-draft", action="store_true",

@@ -22,6 +22,7 @@ import torch
 from jllm.engine import common_prefix, fill_cache
 from jllm.model.transformer import Transformer
 from jllm.sampling import SamplingParams, make_generator, probs, sample
+from jllm.spec import DRAFT_MAX, DRAFT_MIN, P_MIN
 from jllm.spec.ngram import NgramProposer
 from jllm.spec.rejection import draw, verify_greedy, verify_sampled
 
@@ -31,9 +32,9 @@ MODES = ("auto", "draft", "ngram", "draft+ngram", "none")
 @dataclass
 class SpecConfig:
     mode: str = "auto"          # auto: draft+ngram with a draft model, ngram without
-    draft_max: int = 8          # most tokens proposed per round
-    draft_min: int = 1          # fewest tokens a round may propose (adaptive k stays within [min, max])
-    p_min: float = 0.6          # the draft model stops drafting when its top probability falls below this
+    draft_max: int = DRAFT_MAX  # most tokens proposed per round
+    draft_min: int = DRAFT_MIN  # fewest tokens a round may propose (adaptive k stays within [min, max])
+    p_min: float = P_MIN        # the draft model stops drafting when its top probability falls below this
     ngram_min_match: int = 3    # with a draft model, n-gram proposals need a suffix match this long to be used
     draft_vocab: int = 32768    # FR-Spec: the draft scores only the first N token ids (BPE ids rise with
                                 # merge rank, roughly falling frequency); the target still verifies over all
