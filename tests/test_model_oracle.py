@@ -193,6 +193,23 @@ def test_int8_argmax_agrees_with_oracle(tiny, precision):
                                             f"(max |diff| {(got - expected).abs().max().item():.3g})")
 
 
+def test_native_stack_equals_the_python_layers_bitwise(tiny):
+    """The decoder layers as one native call (kernels/layers.cpp) run the Python loop's kernels in its order,
+    so prefill, single steps and a verify-sized chunk give the same bits both ways."""
+    ref, ids, _ = tiny
+    model = load(ref, "native")
+    if model.stack is None:
+        pytest.skip("native kernels unavailable on this machine")
+    chunks = [PREFILL, 1, 1, SEQ_LEN - PREFILL - 2]
+    fused = run(model, ids, chunks)
+    stack, model.stack = model.stack, None
+    try:
+        python = run(model, ids, chunks)
+    finally:
+        model.stack = stack
+    assert torch.equal(fused, python), f"max |diff| {(fused - python).abs().max().item():.3g}"
+
+
 @pytest.mark.parametrize("precision", ["int8", "native"])
 def test_int8_batched_equals_sequential_bitwise(tiny, precision):
     """Verifying k draft tokens in one pass must give exactly the logits of decoding them one by one."""

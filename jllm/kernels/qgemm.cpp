@@ -165,10 +165,13 @@ torch::Tensor glu(torch::Tensor gu, bool gelu);                          // roww
 torch::Tensor rope_store(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
                          bool neox, int64_t rope_dim, torch::Tensor kc, torch::Tensor vc, int64_t start);
 
+void register_stack(pybind11::module& m);                                  // layers.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("qmatmul", &qmatmul, "block-quantized matmul (AVX-512 VNNI)");
     m.def("attention", &attention, "causal attention over the cache, one (query, head) at a time");
     m.def("rms_norm", &rms_norm, "RMS norm per row");
     m.def("glu", &glu, "act(gate) * up, act silu or gelu-tanh");
     m.def("rope_store", &rope_store, "rotary embedding of q and k, k and v written to the cache");
+    register_stack(m);
 }

@@ -52,10 +52,32 @@ class Transformer:
         self.rope_local = rope_table(cfg, cfg.rope_base_local, 1.0, n, device) if cfg.sliding_window else None
         self.embed_scale = math.sqrt(cfg.hidden) if cfg.traits.embed_scale else None
         self.kernels = None
+        self.stack = None          # the layers as one native call, when every linear runs on the native kernel
         if device.type == "cpu":
             from jllm.kernels import qgemm
 
             self.kernels = qgemm()
+            if self.kernels is not None:
+                self.stack = self._native_stack()
+
+    def _native_stack(self):
+        from jllm.model.qlinear import GROUP_BYTES, QLinear
+
+        c, w = self.cfg, self.w
+        mats = [(L.qkv, L.o, L.gate_up, L.down) for L in w.layers]
+        if not all(isinstance(m, QLinear) for ms in mats for m in ms):
+            return None
+        stack = self.kernels.Stack(c.n_heads, c.n_kv_heads, c.head_dim, c.rms_eps, c.attn_scale,
+                                   c.traits.rope_neox, c.rope_dim, c.traits.gelu, GROUP_BYTES)
+        none = torch.empty(0)
+        for i, L in enumerate(w.layers):
+            norms = [L.attn_norm, L.q_norm, L.k_norm, L.post_attn_norm, L.ffn_norm, L.post_ffn_norm]
+            cos, sin = self.rope_local if c.is_sliding(i) else self.rope_global
+            stack.add_layer([none if n is None else n for n in norms],
+                            [t for m in mats[i] for t in (m.data, m.offsets, m.four, m.bias)],
+                            [m.out_features for m in mats[i]], cos, sin,
+                            c.sliding_window if c.is_sliding(i) else 0)
+        return stack
 
     def new_cache(self, max_tokens: int) -> KVCache:
         c = self.cfg
@@ -74,6 +96,21 @@ class Transformer:
         x = w.embed(tokens)                                                   # x: [T, D]
         if self.embed_scale is not None:
             x = x * self.embed_scale
+        if self.stack is not None:
+            x = self.stack.forward(x, cache.k, cache.v, start)
+        else:
+            x = self._layers(x, cache, start)
+        cache.length = start + T
+        if last_only:
+            x = x[-1:]
+        x = norm(x, w.output_norm, c.rms_eps)
+        return w.output(x)
+
+    def _layers(self, x: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
+        """The decoder layers in Python (any device and precision; the native stack runs the same kernels)."""
+        c, w = self.cfg, self.w
+        T = x.shape[0]
+        norm = self.kernels.rms_norm if self.kernels is not None else rms_norm
         q_dim, kv_dim = c.n_heads * c.head_dim, c.kv_dim
         for i, L in enumerate(w.layers):
             h = norm(x, L.attn_norm, c.rms_eps)
@@ -110,11 +147,7 @@ class Transformer:
             if L.post_ffn_norm is not None:
                 m = norm(m, L.post_ffn_norm, c.rms_eps)
             x = x + m
-        cache.length = start + T
-        if last_only:
-            x = x[-1:]
-        x = norm(x, w.output_norm, c.rms_eps)
-        return w.output(x)
+        return x
 
     def _attention(self, q: torch.Tensor, cache: KVCache, layer: int, start: int, window: int) -> torch.Tensor:
         """q: [T, H, hd] for positions start..start+T-1 -> [T, H * hd], one query at a time (see module doc)."""
