@@ -103,7 +103,8 @@ def _spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-min", type=int, default=DRAFT_MIN,
                    help=f"fewest tokens drafted per round (default {DRAFT_MIN})")
     p.add_argument("--draft-p-min", type=float, default=P_MIN,
-                   help=f"stop drafting when the draft's top probability is below this (default {P_MIN})")
+                   help="draft on while the product of the draft's probabilities of its tokens stays above this "
+                   f"(default {P_MIN})")
 
 
 def _cache_dir(a: argparse.Namespace):

@@ -94,8 +94,8 @@ def make_draft_wrong(eng) -> None:
     propose = runner.propose
     vocab = runner.model.cfg.vocab_size
 
-    def wrong(context, k, p_min, params, gen):
-        drafts, q = propose(context, k, p_min, params, gen)
+    def wrong(context, k, p_min, params, gen, k_min=1):
+        drafts, q = propose(context, k, p_min, params, gen, k_min)
         shifted = [(t + 1) % vocab for t in drafts]
         if q is not None:                              # keep q consistent with what is proposed
             q = torch.roll(q, shifts=1, dims=-1)
