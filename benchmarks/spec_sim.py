@@ -88,17 +88,20 @@ def ngram_lookup(ctx: list[int], k: int, max_n: int = 4) -> tuple[list[int], int
     return find_ngram(ctx, k, max_n, 1)
 
 
-def replay(row: dict, policy: dict, d: float, V) -> tuple[float, int, int, int]:
+def replay(row: dict, policy: dict, d: float, V, gate=None) -> tuple[float, int, int, int]:
     """-> (cost in target steps, tokens emitted, drafted, accepted) for one prompt.
 
     policy: kmax; p_min with rule "before" (jllm's: draft on while the product of the draft's probabilities
     stays >= p_min, decided before each draft step) or "after" (session 2's: run the step, then drop its
-    token if its own probability is < p_min: that step is paid for and wasted); ngram (default on)."""
+    token if its own probability is < p_min: that step is paid for and wasted); ngram (default on); wrong
+    (every draft token wrong). gate: a DraftGate deciding draft or plain rounds, as jllm runs it; a draft
+    back from plain rounds catches up at ~8 % of a step per extra token (one batched pass)."""
     out, dr, dp = row["out"], row["draft"], row["draft_p"]
     ctx = list(row["prompt"]) + [out[0]]       # out[0] comes from the prefill
     i, n_out = 1, len(out)
     cost, drafted, accepted = 0.0, 0, 0
     kn, kmax, rule = policy["kmax"], policy["kmax"], policy.get("rule", "before")
+    synced = i                                  # the draft has seen the text up to here
     while i < n_out:
         room = n_out - i - 1
         drafts, kind = [], None
@@ -106,14 +109,15 @@ def replay(row: dict, policy: dict, d: float, V) -> tuple[float, int, int, int]:
             prop, m = ngram_lookup(ctx, min(kn, room))
             if prop and m >= policy.get("ngram_min", 3):
                 drafts, kind = prop, "ngram"
-        if kind is None and room > 0:
+        if kind is None and room > 0 and (gate is None or gate.choose() == "draft"):
             kind, chain, steps = "draft", 1.0, 1          # the first step is the draft's catch-up pass
+            cost += d * max(0, i - synced - 1) * 0.08
             k = min(kmax, room)
             for j in range(k):
                 p = dp[i + j]      # after a wrong token the real draft's confidence is unknown: this stands in
                 if rule == "after" and j > 0 and p < policy["p_min"]:
                     break
-                drafts.append(dr[i + j])
+                drafts.append(-1 if policy.get("wrong") else dr[i + j])
                 chain *= p
                 if j + 1 == k or (rule == "before" and chain < policy["p_min"]):
                     break
@@ -123,6 +127,12 @@ def replay(row: dict, policy: dict, d: float, V) -> tuple[float, int, int, int]:
         while n < len(drafts) and drafts[n] == out[i + n]:
             n += 1
         cost += V(len(drafts))
+        if gate is not None:
+            gate.observe(V(len(drafts)) / V(0), len(drafts), d if kind == "draft" else None)
+            if kind == "draft":
+                gate.record(n + 1, steps, len(drafts))
+        if kind == "draft":
+            synced = i + n + 1
         drafted += len(drafts)
         accepted += n
         if kind == "ngram":
@@ -145,36 +155,24 @@ def sim(a) -> None:
         for rule in ("after", "before"):
             for pmin in (0.5, 0.6, 0.7, 0.8, 0.9):
                 for kmax in (4, 8):
-                    pol = {"kmax": kmax, "p_min": pmin, "rule": rule}
-                    res = {c: [0.0, 0, 0, 0] for c in cats + ["ALL"]}
-                    for r in rows:
-                        c, t, dd, acc = replay(r, pol, d, V)
-                        for key in (r["category"], "ALL"):
-                            res[key][0] += c; res[key][1] += t; res[key][2] += dd; res[key][3] += acc
-                    s = " ".join(f"{c[:5]}:{v[1] / v[0]:.2f}" for c, v in res.items())
-                    print(f"d={d:.2f} {rule:<6} p_min={pmin:.1f} kmax={kmax}  {s}  "
-                          f"alpha={res['ALL'][3] / max(res['ALL'][2], 1):.2f}")
+                    _line(f"d={d:.2f} {rule:<6} p_min={pmin:.1f} kmax={kmax}", rows, cats,
+                          {"kmax": kmax, "p_min": pmin, "rule": rule}, d, V)
+        for wrong in (False, True):           # jllm's policy with its gate in the loop, and without
+            for gated in (False, True):
+                _line(f"d={d:.2f} jllm {'gate  ' if gated else 'always'} {'WRONG draft' if wrong else ''}", rows,
+                      cats, {"kmax": 8, "p_min": 0.7, "wrong": wrong}, d, V, gated)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    for name in ("trace", "costs", "sim", "variant"):
-        p = sub.add_parser(name)
-        p.add_argument("-m", "--model", default="qwen2.5-coder-1.5b")
-        p.add_argument("-md", "--draft", default="qwen2.5-coder-0.5b")
-        p.add_argument("-n", type=int, default=128)
-        p.add_argument("--out", default=str(TRACES))
-        p.add_argument("--traces", default=str(TRACES))
-        p.add_argument("--repeat", type=int, default=15)
-        p.add_argument("--d", default="0.25,0.2")
-        p.add_argument("--V", default=None)
-        p.add_argument("--d0", type=float, default=0.27, help="variant: the full draft's step cost")
-        p.add_argument("--skips", default="", help="variant: ;-separated lists of draft layers to drop")
-        p.add_argument("--keeps", default="1,0.5,0.4,0.3,0.2", help="variant: shares of MLP channels kept")
-    a = ap.parse_args()
-    {"trace": trace, "costs": costs, "sim": sim, "variant": variant}[a.cmd](a)
+def _line(label, rows, cats, pol, d, V, gated=False) -> None:
+    from jllm.spec.decode import DraftGate
 
+    res = {c: [0.0, 0, 0, 0] for c in cats + ["ALL"]}
+    for r in rows:
+        c, t, dd, acc = replay(r, pol, d, V, DraftGate() if gated else None)
+        for key in (r["category"], "ALL"):
+            res[key][0] += c; res[key][1] += t; res[key][2] += dd; res[key][3] += acc
+    s = " ".join(f"{c[:5]}:{v[1] / v[0]:.2f}" for c, v in res.items())
+    print(f"{label}  {s}  alpha={res['ALL'][3] / max(res['ALL'][2], 1):.2f}")
 
 
 def variant(a) -> None:
@@ -237,6 +235,26 @@ def variant(a) -> None:
                 t += tt
             res.append(f"p_min {pmin}: {t / c:.3f}x")
         print(f"{kind} {arg}: bytes {share:.2f}, agree {hits / n:.3f}, " + ", ".join(res), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for name in ("trace", "costs", "sim", "variant"):
+        p = sub.add_parser(name)
+        p.add_argument("-m", "--model", default="qwen2.5-coder-1.5b")
+        p.add_argument("-md", "--draft", default="qwen2.5-coder-0.5b")
+        p.add_argument("-n", type=int, default=128)
+        p.add_argument("--out", default=str(TRACES))
+        p.add_argument("--traces", default=str(TRACES))
+        p.add_argument("--repeat", type=int, default=15)
+        p.add_argument("--d", default="0.25,0.2")
+        p.add_argument("--V", default=None)
+        p.add_argument("--d0", type=float, default=0.27, help="variant: the full draft's step cost")
+        p.add_argument("--skips", default="", help="variant: ;-separated lists of draft layers to drop")
+        p.add_argument("--keeps", default="1,0.5,0.4,0.3,0.2", help="variant: shares of MLP channels kept")
+    a = ap.parse_args()
+    {"trace": trace, "costs": costs, "sim": sim, "variant": variant}[a.cmd](a)
 
 
 if __name__ == "__main__":
