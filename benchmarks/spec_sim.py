@@ -52,32 +52,37 @@ def trace(a) -> None:
 
 
 def costs(a) -> None:
-    """Interleaved timings: target step, target verify of k+1 tokens, draft step; median of rounds."""
+    """Target step, target verify pass over k + 1 tokens and draft step, after a context of --ctx tokens:
+    k in random order per round, two draft steps before each target pass (as in decoding); medians."""
+    import random
+
     from jllm.model.loader import load_model
     from jllm.store import resolve
 
     tgt = load_model(resolve(a.model), "cpu", None)
     dr = load_model(resolve(a.draft), "cpu", "native4", output_rows=32768)
-    tc, dc = tgt.new_cache(1024), dr.new_cache(1024)
-    ids = torch.randint(0, 1000, (300,))
+    tc, dc = tgt.new_cache(a.ctx + 16), dr.new_cache(a.ctx + 16)
+    ids = torch.randint(0, 1000, (a.ctx,))
     tgt.forward(ids, tc), dr.forward(ids, dc)
-    ks = list(range(0, 9))
-    times = {k: [] for k in ks}
-    dtimes = []
+    times, dtimes = {k: [] for k in range(9)}, []
     for _ in range(a.repeat):
+        ks = list(times)
+        random.shuffle(ks)
         for k in ks:
+            for _ in range(2):
+                t = time.perf_counter()
+                dr.forward(ids[:1], dc)
+                dtimes.append(time.perf_counter() - t)
+            dc.truncate(a.ctx)
             t = time.perf_counter()
             tgt.forward(ids[:k + 1], tc)
             times[k].append(time.perf_counter() - t)
-            tc.truncate(300)
-        t = time.perf_counter()
-        dr.forward(ids[:1], dc)
-        dtimes.append(time.perf_counter() - t)
-        dc.truncate(300)
+            tc.truncate(a.ctx)
     med = lambda xs: sorted(xs)[len(xs) // 2]
     step = med(times[0])
-    print(f"target step {step * 1000:.1f} ms, draft step {med(dtimes) * 1000:.1f} ms (d = {med(dtimes) / step:.3f})")
-    print("V(k):", " ".join(f"{k}:{med(times[k]) / step:.2f}" for k in ks))
+    print(f"context {a.ctx}: target step {step * 1000:.1f} ms, draft step {med(dtimes) * 1000:.1f} ms "
+          f"(d = {med(dtimes) / step:.3f})")
+    print("V(k):", " ".join(f"{k}:{med(times[k]) / step:.2f}" for k in times))
 
 
 # ---------------------------------------------------------------- replay
@@ -94,7 +99,8 @@ def replay(row: dict, policy: dict, d: float, V, gate=None) -> tuple[float, int,
     policy: kmax; p_min with rule "before" (jllm's: draft on while the product of the draft's probabilities
     stays >= p_min, decided before each draft step) or "after" (session 2's: run the step, then drop its
     token if its own probability is < p_min: that step is paid for and wasted); ngram (default on); wrong
-    (every draft token wrong). gate: a DraftGate deciding draft or plain rounds, as jllm runs it; a draft
+    (every draft token wrong); grow (a draft round proposes at most `grow` past what the previous one got
+    accepted). gate: a DraftGate deciding draft or plain rounds, as jllm runs it; a draft
     back from plain rounds catches up at ~8 % of a step per extra token (one batched pass)."""
     out, dr, dp = row["out"], row["draft"], row["draft_p"]
     ctx = list(row["prompt"]) + [out[0]]       # out[0] comes from the prefill
@@ -102,6 +108,7 @@ def replay(row: dict, policy: dict, d: float, V, gate=None) -> tuple[float, int,
     cost, drafted, accepted = 0.0, 0, 0
     kn, kmax, rule = policy["kmax"], policy["kmax"], policy.get("rule", "before")
     synced = i                                  # the draft has seen the text up to here
+    cap = kmax                                  # policy "grow": a draft round may go at most this far
     while i < n_out:
         room = n_out - i - 1
         drafts, kind = [], None
@@ -112,7 +119,7 @@ def replay(row: dict, policy: dict, d: float, V, gate=None) -> tuple[float, int,
         if kind is None and room > 0 and (gate is None or gate.choose() == "draft"):
             kind, chain, steps = "draft", 1.0, 1          # the first step is the draft's catch-up pass
             cost += d * max(0, i - synced - 1) * 0.08
-            k = min(kmax, room)
+            k = min(kmax, room, cap)
             for j in range(k):
                 p = dp[i + j]      # after a wrong token the real draft's confidence is unknown: this stands in
                 if rule == "after" and j > 0 and p < policy["p_min"]:
@@ -133,6 +140,8 @@ def replay(row: dict, policy: dict, d: float, V, gate=None) -> tuple[float, int,
                 gate.record(n + 1, steps, len(drafts))
         if kind == "draft":
             synced = i + n + 1
+            if policy.get("grow"):
+                cap = min(kmax, n + policy["grow"])
         drafted += len(drafts)
         accepted += n
         if kind == "ngram":
@@ -160,7 +169,7 @@ def sim(a) -> None:
         for wrong in (False, True):           # jllm's policy with its gate in the loop, and without
             for gated in (False, True):
                 _line(f"d={d:.2f} jllm {'gate  ' if gated else 'always'} {'WRONG draft' if wrong else ''}", rows,
-                      cats, {"kmax": 8, "p_min": 0.7, "wrong": wrong}, d, V, gated)
+                      cats, {"kmax": 8, "p_min": 0.7, "grow": 2, "wrong": wrong}, d, V, gated)
 
 
 def _line(label, rows, cats, pol, d, V, gated=False) -> None:
@@ -247,7 +256,8 @@ def main() -> None:
         p.add_argument("-n", type=int, default=128)
         p.add_argument("--out", default=str(TRACES))
         p.add_argument("--traces", default=str(TRACES))
-        p.add_argument("--repeat", type=int, default=15)
+        p.add_argument("--repeat", type=int, default=12)
+        p.add_argument("--ctx", type=int, default=300, help="costs: context length before the measured passes")
         p.add_argument("--d", default="0.25,0.2")
         p.add_argument("--V", default=None)
         p.add_argument("--d0", type=float, default=0.27, help="variant: the full draft's step cost")
