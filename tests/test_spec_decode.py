@@ -214,3 +214,5 @@ def test_an_always_wrong_draft_keeps_the_output(paths):
     assert out.token_ids == ref.token_ids
     st = spec.spec_stats.as_dict()
     assert st["drafted"] > 0 and st["accepted"] == 0
+    # p_min 0 lets the draft go the full 8 while confident; after a round with nothing accepted it gets 2
+    assert st["drafted"] <= 8 + 2 * (st["rounds"] - 1), st
