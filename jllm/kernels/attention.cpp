@@ -119,7 +119,7 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64
     at::parallel_for(0, T * Hk, 1, [&](int64_t i0, int64_t i1) {
         std::vector<float> w;
         for (int64_t it = i0; it < i1; ++it) {
-            const int64_t t = it / Hk, hk = it % Hk;
+            const int64_t hk = it / T, t = it % T;      // a head's queries in a row: its keys stay in cache
             const int64_t p = start + t;
             const int64_t lo = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
             const int64_t n = p - lo + 1;
