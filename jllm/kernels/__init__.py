@@ -20,7 +20,7 @@ import threading
 from pathlib import Path
 
 _SOURCES = [Path(__file__).with_name(n) for n in ("qgemm.cpp", "attention.cpp", "rowwise.cpp", "layers.cpp")]
-_HEADER = Path(__file__).with_name("vecmath.h")
+_HEADERS = [Path(__file__).with_name(n) for n in ("vecmath.h", "kernels.h")]
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mf16c",
           "-ffp-contract=off", "-fopenmp"]    # OpenMP: at::parallel_for shares torch's own thread pool
 _lock = threading.Lock()
@@ -44,7 +44,7 @@ def build_dir() -> Path:
 
     from jllm.paths import cache_dir
 
-    ident = hashlib.sha256(b"".join(s.read_bytes() for s in _SOURCES + [_HEADER]) + " ".join(_FLAGS).encode()
+    ident = hashlib.sha256(b"".join(s.read_bytes() for s in _SOURCES + _HEADERS) + " ".join(_FLAGS).encode()
                            + torch.__version__.encode())
     return cache_dir("kernels", "JLLM_KERNELS_DIR") / ident.hexdigest()[:16]
 

@@ -19,6 +19,8 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+
+#include "kernels.h"
 #include <immintrin.h>
 
 #include <algorithm>
@@ -157,15 +159,6 @@ torch::Tensor qmatmul(torch::Tensor x, torch::Tensor data, torch::Tensor offsets
     });
     return y;
 }
-
-torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t start, int64_t window,
-                        double scale);   // attention.cpp
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);   // rowwise.cpp
-torch::Tensor glu(torch::Tensor gu, bool gelu);                          // rowwise.cpp
-torch::Tensor rope_store(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
-                         bool neox, int64_t rope_dim, torch::Tensor kc, torch::Tensor vc, int64_t start);
-
-void register_stack(pybind11::module& m);                                  // layers.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("qmatmul", &qmatmul, "block-quantized matmul (AVX-512 VNNI)");

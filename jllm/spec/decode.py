@@ -104,7 +104,7 @@ class DraftRunner:
         tokens so far (its top probability when greedy, q of the drawn token when sampling, against half the
         threshold) must stay >= p_min. The test comes before the next forward pass, not after it: a pass
         whose token is then thrown away for low confidence costs a draft step for nothing, which replaying
-        the corpus traces showed costs more than it saves (1.35x against 1.50x, benchmarks/spec_sim.py).
+        the corpus traces showed costs more than it saves (1.34x against 1.50x, benchmarks/spec_sim.py).
         Afterwards `forwards` is the number of forward passes made and `step_s` the time of the last
         one-token step (None if none)."""
         t = time.perf_counter()
