@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from jllm.errors import JllmError
 from jllm.gguf.reader import GGUFFile, read_gguf
 from jllm.model.config import config_from_gguf
+from jllm.spec import DRAFT_VOCAB
 
 RUNTIME_BYTES = 350 << 20      # python + torch + tokenizer, measured: RSS of an engine on a tiny model
 BYTES_PER_WEIGHT = {"exact": 4, "int8": 1, "int8-fast": 1, "bf16": 2, "f16": 2}
@@ -80,7 +81,7 @@ def _native_weights(g: GGUFFile, cfg, output_rows: int | None, all_four: bool = 
 
 
 def plan(target: str, draft: str | None, ctx: int, precision: str, draft_precision: str = "auto",
-         draft_vocab: int | None = 32768) -> list[Budget]:
+         draft_vocab: int | None = DRAFT_VOCAB) -> list[Budget]:
     from jllm.spec.decode import draft_precision_for
 
     rows = [model_budget(read_gguf(target), precision, ctx)]

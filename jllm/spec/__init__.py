@@ -7,3 +7,7 @@
 DRAFT_MAX = 8
 DRAFT_MIN = 1
 P_MIN = 0.7
+# FR-Spec: the draft scores only the first DRAFT_VOCAB token ids (BPE ids rise with merge rank, roughly
+# falling frequency). Replay of the corpus traces, draft 0.5B: 32,768 ids agree with the target's token at
+# 75.6 % of positions (1.49x), 65,536 at 79.0 % (1.52x, +7.6 % draft bytes), all 151,936 at 80.9 % (1.47x).
+DRAFT_VOCAB = 65536

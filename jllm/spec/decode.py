@@ -22,7 +22,7 @@ import torch
 from jllm.engine import common_prefix, fill_cache
 from jllm.model.transformer import Transformer
 from jllm.sampling import SamplingParams, make_generator, probs, sample
-from jllm.spec import DRAFT_MAX, DRAFT_MIN, P_MIN
+from jllm.spec import DRAFT_MAX, DRAFT_MIN, DRAFT_VOCAB, P_MIN
 from jllm.spec.ngram import NgramProposer
 from jllm.spec.rejection import draw, verify_greedy, verify_sampled
 
@@ -36,8 +36,8 @@ class SpecConfig:
     draft_min: int = DRAFT_MIN  # fewest tokens a round may propose (adaptive k stays within [min, max])
     p_min: float = P_MIN        # the draft model drafts on while the product of its probabilities stays above
     ngram_min_match: int = 3    # with a draft model, n-gram proposals need a suffix match this long to be used
-    draft_vocab: int = 32768    # FR-Spec: the draft scores only the first N token ids (BPE ids rise with
-                                # merge rank, roughly falling frequency); the target still verifies over all
+    draft_vocab: int = DRAFT_VOCAB  # FR-Spec: the draft scores only the first N token ids (see jllm/spec);
+                                    # the target still verifies over all of them, so exactness holds
     draft_precision: str = "auto"   # auto: native4 for a native target, int8-fast for an int8 one (the draft
                                     # only proposes: fewer bytes beat precision), else the target's own
 
