@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from jllm.spec import DRAFT_VOCAB
+
 RESULTS = Path(__file__).with_name("results")
 TRACES = RESULTS / "spec_traces.json"
 
@@ -60,7 +62,7 @@ def costs(a) -> None:
     from jllm.store import resolve
 
     tgt = load_model(resolve(a.model), "cpu", None)
-    dr = load_model(resolve(a.draft), "cpu", "native4", output_rows=32768)
+    dr = load_model(resolve(a.draft), "cpu", "native4", output_rows=DRAFT_VOCAB)
     tc, dc = tgt.new_cache(a.ctx + 16), dr.new_cache(a.ctx + 16)
     ids = torch.randint(0, 1000, (a.ctx,))
     tgt.forward(ids, tc), dr.forward(ids, dc)
@@ -191,7 +193,7 @@ def variant(a) -> None:
     from jllm.store import resolve
 
     data = json.loads(Path(a.traces).read_text())
-    draft = load_model(resolve(a.draft), "cpu", "native4", output_rows=32768)
+    draft = load_model(resolve(a.draft), "cpu", "native4", output_rows=DRAFT_VOCAB)
     layers = list(draft.w.layers)
     per_layer = sum(l.nbytes() for l in (layers[0].qkv, layers[0].o, layers[0].gate_up, layers[0].down))
     total = per_layer * len(layers) + draft.w.output.nbytes()
@@ -260,7 +262,7 @@ def main() -> None:
         p.add_argument("--ctx", type=int, default=300, help="costs: context length before the measured passes")
         p.add_argument("--d", default="0.25,0.2")
         p.add_argument("--V", default=None)
-        p.add_argument("--d0", type=float, default=0.27, help="variant: the full draft's step cost")
+        p.add_argument("--d0", type=float, default=0.27, help="variant: the unchanged draft's step cost")
         p.add_argument("--skips", default="", help="variant: ;-separated lists of draft layers to drop")
         p.add_argument("--keeps", default="1,0.5,0.4,0.3,0.2", help="variant: shares of MLP channels kept")
     a = ap.parse_args()
