@@ -21,6 +21,7 @@ import torch
 
 from jllm.spec import DRAFT_VOCAB
 
+V_MEASURED = [1, 1.09, 1.15, 1.25, 1.45, 1.6, 1.75, 1.9, 2.05]   # V(0..8), from `costs` (slow memory phase)
 RESULTS = Path(__file__).with_name("results")
 TRACES = RESULTS / "spec_traces.json"
 
@@ -156,10 +157,7 @@ def replay(row: dict, policy: dict, d: float, V, gate=None) -> tuple[float, int,
 def sim(a) -> None:
     data = json.loads(Path(a.traces).read_text())
     rows = data["rows"]
-    Vtab = [1, 1.09, 1.15, 1.25, 1.45, 1.6, 1.75, 1.9, 2.05]     # measured: benchmarks/spec_sim.py costs
-    if a.V:
-        Vtab = [float(x) for x in a.V.split(",")]
-    V = lambda k: Vtab[min(k, len(Vtab) - 1)]
+    Vtab, V = _verify_costs(a)
     cats = sorted({r["category"] for r in rows})
     print(f"V(k) = {Vtab}")
     for d in [float(x) for x in a.d.split(",")]:
@@ -172,6 +170,12 @@ def sim(a) -> None:
             for gated in (False, True):
                 _line(f"d={d:.2f} jllm {'gate  ' if gated else 'always'} {'WRONG draft' if wrong else ''}", rows,
                       cats, {"kmax": 8, "p_min": 0.7, "grow": 2, "wrong": wrong}, d, V, gated)
+
+
+def _verify_costs(a):
+    """-> (V(0..8) table, V as a function of k clamped to the table): --V or the measured one."""
+    Vtab = [float(x) for x in a.V.split(",")] if a.V else V_MEASURED
+    return Vtab, lambda k: Vtab[min(k, len(Vtab) - 1)]
 
 
 def _line(label, rows, cats, pol, d, V, gated=False) -> None:
@@ -197,8 +201,8 @@ def variant(a) -> None:
     layers = list(draft.w.layers)
     per_layer = sum(l.nbytes() for l in (layers[0].qkv, layers[0].o, layers[0].gate_up, layers[0].down))
     total = per_layer * len(layers) + draft.w.output.nbytes()
-    Vtab = [float(x) for x in a.V.split(",")] if a.V else [1, 1.09, 1.15, 1.25, 1.45, 1.6, 1.75, 1.9, 2.05]
-    V = lambda k: Vtab[min(k, len(Vtab) - 1)]
+    _, V = _verify_costs(a)
+    draft.stack = None                 # the Python layer loop, so the dropped layers and Sparse.glu take effect
     kernels = draft.kernels
     mlp = sum(l.gate_up.nbytes() + l.down.nbytes() for l in layers)
 
