@@ -212,10 +212,7 @@ class SpeculativeDecoder:
                 self.gate.record(n + 1, self.draft.forwards, len(drafts))
             if drafts:
                 self.stats.record(kind, len(drafts), n)
-                if kind == "ngram":
-                    self._adapt(len(drafts), n)
-                else:
-                    self.k["draft"] = max(self.cfg.draft_min, min(self.cfg.draft_max, n + 2))
+                self._adapt(kind, len(drafts), n)
             for tok in drafts[:n]:
                 history.append(tok)
                 self.ngram.append(tok)
@@ -225,14 +222,17 @@ class SpeculativeDecoder:
                     return
             last = nxt
 
-    def _adapt(self, drafted: int, accepted: int) -> None:
-        """n-gram proposal length: grow after a fully accepted round; after a copied span broke off, propose
-        only as far as it held (matches that keep failing, as in translation, shrink to draft_min)."""
-        k = self.k["ngram"]
-        if accepted == drafted:
-            self.k["ngram"] = min(self.cfg.draft_max, k + 1)
+    def _adapt(self, kind: str, drafted: int, accepted: int) -> None:
+        """Next round's length limit. n-gram: grow after a fully accepted round; after a copied span broke
+        off, propose only as far as it held (matches that keep failing, as in translation, shrink to
+        draft_min). Draft: 2 past what this round got accepted (its confidence decides within that)."""
+        cfg = self.cfg
+        if kind == "draft":
+            self.k["draft"] = max(cfg.draft_min, min(cfg.draft_max, accepted + 2))
+        elif accepted == drafted:
+            self.k["ngram"] = min(cfg.draft_max, self.k["ngram"] + 1)
         else:
-            self.k["ngram"] = max(self.cfg.draft_min, accepted + 1)
+            self.k["ngram"] = max(cfg.draft_min, accepted + 1)
 
 
 class DraftGate:
@@ -276,8 +276,7 @@ class DraftGate:
         self.next_trial = self.explore
         self.lost = min(self.lost, self.give_up - 1)
         self.trial_left, self.trial = 0, []
-        value = self.value()
-        self.drafting = value is None or value >= 1.0
+        self.drafting = not self._losing()
 
     def value(self) -> float | None:
         """Expected tokens per unit of cost of a draft round (> 1: drafting beats plain decoding)."""
@@ -319,8 +318,7 @@ class DraftGate:
                 self.interval = min(2 * self.interval, self.max_explore)
                 self.next_trial = self.rounds + self.interval
             return
-        self.stats = row if self.stats is None else [
-            self.decay * a + (1 - self.decay) * b for a, b in zip(self.stats, row)]
+        self.stats = row if self.stats is None else [self._avg(a, b) for a, b in zip(self.stats, row)]
         if self.evidence >= self.warmup and self._losing():
             self.drafting = False
             self.next_trial = self.rounds + self.interval
