@@ -19,13 +19,13 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-
-#include "kernels.h"
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+
+#include "kernels.h"
 
 namespace {
 

@@ -58,12 +58,16 @@ class LayerWeights:
 class Embedding:
     """Exact row lookup straight from the GGUF bytes."""
 
+    SMALL = 16                # calls of at most this many tokens go through the row cache
+    CACHED_ROWS = 2048        # a conversation's working vocabulary; 6-12 MB for 0.5B-1.5B models
+
     def __init__(self, gguf: GGUFFile, name: str, device: torch.device):
         info = gguf.tensors[name]
         self.rows, self.cols = info.shape
         self.type = info.ggml_type
         self.table = gguf.raw(name).reshape(self.rows, -1)   # [vocab, bytes per row]
         self.device = device
+        self._cache: dict[int, torch.Tensor] = {}         # token id -> dequantized row, oldest first
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         idx = ids.cpu().numpy()
@@ -73,12 +77,9 @@ class Embedding:
             return torch.stack([self._row(int(i)) for i in idx])
         return self._dequantize(idx)
 
-    SMALL = 16                # calls of at most this many tokens go through the row cache
-    CACHED_ROWS = 2048        # a conversation's working vocabulary; 6-12 MB for 0.5B-1.5B models
-
     def _row(self, i: int) -> torch.Tensor:
         """One dequantized row, from a small LRU cache (a step's lookup otherwise costs ~0.4 ms of numpy)."""
-        cache = self.__dict__.setdefault("_cache", {})
+        cache = self._cache
         row = cache.pop(i, None)
         if row is None:
             row = self._dequantize(np.array([i]))[0]
