@@ -1,8 +1,11 @@
 // Causal attention for a few new queries over the KV cache on the CPU.
 //
 // Work items are (query, kv head) pairs; each computes its group of query heads over exactly the keys that
-// query sees: scores (one key row read for all heads of the group), a softmax with a vectorised exp, and the
-// weighted sum of value rows with the output kept in registers. An item's instructions and their order do
+// query sees: scores for 16 keys at a time (one accumulator per key, the 16 sums taken across lanes
+// together, not one horizontal sum per key), a softmax with a vectorised exp, and the weighted sum of value
+// rows for several heads at a time, each value row loaded once for them. Against one key and one head at a
+// time: 2.8x faster for five queries at context 500 with the 1.5B's heads (0.289 -> 0.103 ms a layer, cache
+// in L2). An item's instructions and their order do
 // not depend on how many queries share the call, so the verify pass of speculative decoding gets bitwise
 // the result of single decode steps. (torch's SDPA splits work differently for different query counts, so
 // jllm used to call it once per query: ~50 us a call, 13 ms of a 9-token verify pass on the 1.5B.)
@@ -22,27 +25,71 @@ namespace {
 using jllm::exp512;
 using jllm::tail_mask;
 
+// Sums of 16 vectors: lane j of the result is the sum of the lanes of a[j], always in the same order.
+inline __m512 transpose_sum(__m512 a[16]) {
+    __m512 s[8], t[4], u[2];
+    for (int i = 0; i < 8; ++i)          // each 128-bit lane: a[2i] lanes 0+2, a[2i+1] 0+2, a[2i] 1+3, a[2i+1] 1+3
+        s[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; ++i) {        // each 128-bit lane: the lane sums of a[4i .. 4i+3]
+        const __m512d x = _mm512_castps_pd(s[2 * i]), y = _mm512_castps_pd(s[2 * i + 1]);
+        t[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int i = 0; i < 2; ++i)          // 128-bit lanes 0+1 and 2+3 of t[2i], then of t[2i+1]
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+}
+
+// out[p] = sum_j w[p * n + j] v_j * inv[p] for P heads (their weights n apart), D = 16 C.
+template <int D, int P>
+inline void values(const float* w, int64_t n, const float* v, const float* inv, float* out) {
+    constexpr int C = D / 16;
+    __m512 acc[P][C];
+    for (int p = 0; p < P; ++p)
+        for (int c = 0; c < C; ++c) acc[p][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+        const float* vj = v + j * D;
+        __m512 vr[C];
+        for (int c = 0; c < C; ++c) vr[c] = _mm512_loadu_ps(vj + 16 * c);
+        for (int p = 0; p < P; ++p) {
+            const __m512 wj = _mm512_set1_ps(w[p * n + j]);
+            for (int c = 0; c < C; ++c) acc[p][c] = _mm512_fmadd_ps(wj, vr[c], acc[p][c]);
+        }
+    }
+    for (int p = 0; p < P; ++p)
+        for (int c = 0; c < C; ++c)
+            _mm512_storeu_ps(out + p * D + 16 * c, _mm512_mul_ps(acc[p][c], _mm512_set1_ps(inv[p])));
+}
+
 // One (query, kv head) item for head dimension D (a multiple of 16), G query heads in the group.
 template <int D>
 void item(const float* q, const float* k, const float* v, int64_t n, int64_t G, float scale, float* out,
           std::vector<float>& w) {
     constexpr int C = D / 16;
+    alignas(64) static const float zero[D] = {};
     w.resize((size_t)(G * n + 16));
-    // scores: w[g * n + j] = scale * q_g . k_j
-    for (int64_t g = 0; g < G; ++g) {
-        __m512 qv[C];
-        for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(q + g * D + 16 * c);
-        float* wg = w.data() + g * n;
-        for (int64_t j = 0; j < n; ++j) {
-            const float* kj = k + j * D;
-            __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kj));
-            for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kj + 16 * c), acc);
-            wg[j] = _mm512_reduce_add_ps(acc) * scale;
+    const __m512 vscale = _mm512_set1_ps(scale);
+    // scores: w[g * n + j] = scale * q_g . k_j, for 16 keys at a time: one accumulator per key, summed across
+    // lanes together (a key past the end reads zeros and its score is not stored)
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+        const float* kr[16];
+        for (int i = 0; i < 16; ++i) kr[i] = j0 + i < n ? k + (j0 + i) * D : zero;
+        const __mmask16 m = tail_mask(n - j0);
+        for (int64_t g = 0; g < G; ++g) {
+            __m512 acc[16];
+            const __m512 q0 = _mm512_loadu_ps(q + g * D);
+            for (int i = 0; i < 16; ++i) acc[i] = _mm512_mul_ps(q0, _mm512_loadu_ps(kr[i]));
+            for (int c = 1; c < C; ++c) {
+                const __m512 qc = _mm512_loadu_ps(q + g * D + 16 * c);
+                for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(kr[i] + 16 * c), acc[i]);
+            }
+            _mm512_mask_storeu_ps(w.data() + g * n + j0, m, _mm512_mul_ps(transpose_sum(acc), vscale));
         }
     }
+    // softmax of each head's n scores, 16 at a time (the tail masked); inv[g] = 1 / sum
+    float inv[64];
     for (int64_t g = 0; g < G; ++g) {
         float* wg = w.data() + g * n;
-        // softmax over n scores, 16 at a time (the tail masked)
         __m512 mx = _mm512_set1_ps(-INFINITY);
         for (int64_t j = 0; j < n; j += 16) {
             const __mmask16 m = tail_mask(n - j);
@@ -57,18 +104,14 @@ void item(const float* q, const float* k, const float* v, int64_t n, int64_t G, 
             _mm512_mask_storeu_ps(wg + j, m, e);
             sum = _mm512_add_ps(sum, e);
         }
-        const float inv = 1.0f / _mm512_reduce_add_ps(sum);
-        // out_g = sum_j w_j v_j / sum
-        __m512 acc[C];
-        for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
-        for (int64_t j = 0; j < n; ++j) {
-            const __m512 wj = _mm512_set1_ps(wg[j]);
-            const float* vj = v + j * D;
-            for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(wj, _mm512_loadu_ps(vj + 16 * c), acc[c]);
-        }
-        const __m512 vinv = _mm512_set1_ps(inv);
-        for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + g * D + 16 * c, _mm512_mul_ps(acc[c], vinv));
+        inv[g] = 1.0f / _mm512_reduce_add_ps(sum);
     }
+    // out_g = sum_j w_j v_j / sum, for P heads at a time sharing each value row's loads (P = 16 / C registers
+    // of accumulators, the rest of the group one head at a time; every head's sums run in the same order)
+    constexpr int P = C >= 16 ? 1 : 16 / C;
+    int64_t g = 0;
+    for (; g + P <= G; g += P) values<D, P>(w.data() + g * n, n, v, inv + g, out + g * D);
+    for (; g < G; ++g) values<D, 1>(w.data() + g * n, n, v, inv + g, out + g * D);
 }
 
 // Any head dimension: the same steps with scalar tails (the tiny test models use odd sizes).
@@ -109,6 +152,7 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64
     TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), "the cache must be contiguous");
     const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hk = k.size(0), L = k.size(1);
     TORCH_CHECK(H % Hk == 0 && k.size(2) == D && start + T <= L, "shapes do not match");
+    TORCH_CHECK(H / Hk <= 64, "at most 64 query heads per kv head");
     const int64_t G = H / Hk;
     auto out = torch::empty({T, H * D}, torch::kFloat32);
     const float* qp = q.data_ptr<float>();

@@ -1,8 +1,10 @@
 """`jllm bench --spec`: the corpus (corpus.json) run greedy with and without speculation, same engine, same
 prompts, fixed max tokens; per category plain tok/s, speculative tok/s, speedup, acceptance, identical output.
 
-Each prompt is decoded plain first and then speculatively, from a cold cache both times (the draft model's
-prompt prefill counts as speculative decode time, since plain decoding has no such cost).
+Each prompt is decoded plain first and then speculatively, from a cold cache both times. The draft model's
+prompt prefill is prompt time (Engine.stream runs it before the first token, as the target's own prefill),
+so it is in neither decode time; every draft step after it, including catching up on tokens the draft did
+not propose, is speculative decode time.
 """
 
 from __future__ import annotations
