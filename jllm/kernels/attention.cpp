@@ -5,9 +5,9 @@
 // together, not one horizontal sum per key), a softmax with a vectorised exp, and the weighted sum of value
 // rows for several heads at a time, each value row loaded once for them. Against one key and one head at a
 // time: 2.8x faster for five queries at context 500 with the 1.5B's heads (0.289 -> 0.103 ms a layer, cache
-// in L2). An item's instructions and their order do
-// not depend on how many queries share the call, so the verify pass of speculative decoding gets bitwise
-// the result of single decode steps. (torch's SDPA splits work differently for different query counts, so
+// in L2; benchmarks/attention_bench.py). An item's instructions and their order do not depend on how many
+// queries share the call, so the verify pass of speculative decoding gets bitwise the result of single
+// decode steps. (torch's SDPA splits work differently for different query counts, so
 // jllm used to call it once per query: ~50 us a call, 13 ms of a 9-token verify pass on the 1.5B.)
 
 #include <torch/extension.h>
@@ -67,7 +67,8 @@ void item(const float* q, const float* k, const float* v, int64_t n, int64_t G, 
           std::vector<float>& w) {
     constexpr int C = D / 16;
     alignas(64) static const float zero[D] = {};
-    w.resize((size_t)(G * n + 16));
+    w.resize((size_t)(G * n + 16 + G));              // scores of each head, then 1 / sum of each head
+    float* inv = w.data() + G * n + 16;
     const __m512 vscale = _mm512_set1_ps(scale);
     // scores: w[g * n + j] = scale * q_g . k_j, for 16 keys at a time: one accumulator per key, summed across
     // lanes together (a key past the end reads zeros and its score is not stored)
@@ -87,7 +88,6 @@ void item(const float* q, const float* k, const float* v, int64_t n, int64_t G, 
         }
     }
     // softmax of each head's n scores, 16 at a time (the tail masked); inv[g] = 1 / sum
-    float inv[64];
     for (int64_t g = 0; g < G; ++g) {
         float* wg = w.data() + g * n;
         __m512 mx = _mm512_set1_ps(-INFINITY);
@@ -152,7 +152,6 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64
     TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), "the cache must be contiguous");
     const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hk = k.size(0), L = k.size(1);
     TORCH_CHECK(H % Hk == 0 && k.size(2) == D && start + T <= L, "shapes do not match");
-    TORCH_CHECK(H / Hk <= 64, "at most 64 query heads per kv head");
     const int64_t G = H / Hk;
     auto out = torch::empty({T, H * D}, torch::kFloat32);
     const float* qp = q.data_ptr<float>();

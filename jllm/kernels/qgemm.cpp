@@ -162,7 +162,7 @@ torch::Tensor qmatmul(torch::Tensor x, torch::Tensor data, torch::Tensor offsets
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("qmatmul", &qmatmul, "block-quantized matmul (AVX-512 VNNI)");
-    m.def("attention", &attention, "causal attention over the cache, one (query, head) at a time");
+    m.def("attention", &attention, "causal attention over the cache, one (query, kv head) item at a time");
     m.def("rms_norm", &rms_norm, "RMS norm per row");
     m.def("glu", &glu, "act(gate) * up, act silu or gelu-tanh");
     m.def("rope_store", &rope_store, "rotary embedding of q and k, k and v written to the cache");
