@@ -65,8 +65,21 @@ class ConvertedReader:
         if self.data_start + sum(t[3] for t in self.tensors.values()) != size - 8 - h:
             raise ValueError("truncated")
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str, alloc=None) -> torch.Tensor:
+        """The named tensor, read from the file; alloc(nbytes) -> uint8 tensor: memory to read it into."""
         dtype, shape, offset, nbytes = self.tensors[name]
+        if alloc is not None:
+            out = alloc(nbytes)
+            view = memoryview(out.numpy()).cast("B")
+            with open(self.path, "rb") as f:
+                f.seek(self.data_start + offset)
+                done = 0
+                while done < nbytes:
+                    n = f.readinto(view[done:])
+                    if not n:
+                        raise ValueError("truncated")
+                    done += n
+            return out.view(_DTYPES[dtype][0]).view(shape)
         np_dtype = np.dtype(_DTYPES[dtype][1])
         arr = np.fromfile(self.path, dtype=np_dtype, count=nbytes // np_dtype.itemsize,
                           offset=self.data_start + offset)

@@ -11,14 +11,18 @@ from __future__ import annotations
 import torch
 
 from jllm.errors import JllmError
+from jllm.model import hugepages
 
 
 class KVCache:
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_tokens: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
         shape = (n_layers, n_kv_heads, max_tokens, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        if torch.device(device).type == "cpu":          # attention streams the cache: huge pages
+            self.k, self.v = hugepages.zeros(shape, dtype), hugepages.zeros(shape, dtype)
+        else:
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_tokens = max_tokens
         self.length = 0
 

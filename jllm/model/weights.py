@@ -21,6 +21,7 @@ from jllm.gguf import quants
 from jllm.gguf.reader import GGUFFile
 from jllm.model.config import ModelConfig
 from jllm.model.converted import ConvertedWriter, open_converted
+from jllm.model.hugepages import HugePages
 from jllm.model.linear import DenseLinear, Int8Linear, int8_supported, quantize_weight_int8
 from jllm.model.qlinear import PackedMatrix, QLinear, pack_gguf_rows
 
@@ -120,6 +121,7 @@ class _Builder:
                             "use --precision int8")
         self.gguf, self.precision, self.device = gguf, precision, device
         self.reader = self.writer = None
+        self.pages = HugePages()                # the kernel's packed weights: streamed every step
         if precision in CONVERTED and use_cache:
             try:
                 kind = precision if precision in NATIVE else "int8"      # both int8 modes share the weights
@@ -193,7 +195,8 @@ class _Builder:
         infos = [self._matrix_info(n) for n in names]
         cols = infos[0].shape[1]
         if self.reader is not None and key + ":data" in self.reader.tensors:
-            data, offsets, four = (self.reader.get(key + part) for part in (":data", ":offsets", ":four"))
+            data = self.reader.get(key + ":data", self.pages.empty)
+            offsets, four = (self.reader.get(key + part) for part in (":offsets", ":four"))
             rows = int(self.reader.get(key + ":rows")[0])
             return QLinear(data, offsets, four, rows, cols, bias)
         matrix = PackedMatrix(cols)
@@ -204,6 +207,7 @@ class _Builder:
             self.gguf.release(info.name)
         rows = matrix.rows
         data, offsets, four = matrix.pack()
+        data = self.pages.adopt(data)
         if self.writer is not None:
             for part, t in ((":data", data), (":offsets", offsets), (":four", four),
                             (":rows", torch.tensor([rows], dtype=torch.int64))):
