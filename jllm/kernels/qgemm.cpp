@@ -34,7 +34,11 @@ constexpr int kMaxRows = 10;      // that covers the whole call: a verify pass o
 #ifndef JLLM_PREFETCH
 #define JLLM_PREFETCH 2048
 #endif
-constexpr int kPrefetch = JLLM_PREFETCH;   // bytes ahead of the block being computed
+constexpr int kPrefetch = JLLM_PREFETCH;   // bytes ahead of the block being computed, into L1
+#ifndef JLLM_PREFETCH_L2
+#define JLLM_PREFETCH_L2 16384
+#endif
+constexpr int kPrefetchL2 = JLLM_PREFETCH_L2;   // and into L2, when several rows are computed
 
 inline float hmax(__m512 v) { return _mm512_reduce_max_ps(v); }
 
@@ -72,6 +76,12 @@ inline void tile_rows(const uint8_t* w, bool four, int64_t nb, const int8_t* xq,
         for (int r = 0; r < R; ++r) ia[r] = _mm512_setzero_si512();
         // Ask for the weights a few blocks ahead, so memory streams while this block computes.
         for (int l = 0; l < (four ? 5 : 9); ++l) _mm_prefetch((const char*)p + kPrefetch + 64 * l, _MM_HINT_T0);
+        // With several rows the compute per block is long enough to starve the memory stream: also ask for
+        // weights much further ahead, into L2 (verify passes: M = 5 went from 1.24-1.49x of M = 1 to
+        // 1.14-1.20x, benchmarks/kernel_stream.py). One row gains nothing from it and keeps the issue slots.
+        if (R > 1)
+            for (int l = 0; l < (four ? 5 : 9); ++l)
+                _mm_prefetch((const char*)p + kPrefetchL2 + 64 * l, _MM_HINT_T1);
         const int32_t* xb[R];
         for (int r = 0; r < R; ++r) xb[r] = (const int32_t*)(xq + r * K + b * 32);
         if (four) {
