@@ -1,0 +1,62 @@
+"""Weights on huge pages against the same weights on ordinary 4 KiB pages: every matrix of the target and of
+the draft (as the engine loads them: target `native`, draft `native4` with its 65,536-row output) run for
+M = 1 and M = 5 rows, the two copies interleaved, medians. The engine loads weights onto huge pages
+(jllm/model/hugepages.py); the ordinary copy is a plain `clone()`, which glibc places on 4 KiB pages.
+
+    python benchmarks/hugepages_bench.py
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from jllm.model.loader import load_model
+from jllm.model.qlinear import QLinear
+from jllm.spec import DRAFT_VOCAB
+from jllm.store import resolve
+
+
+def _anon_huge_mb() -> float:
+    for line in open("/proc/self/smaps_rollup"):
+        if line.startswith("AnonHugePages:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def main() -> None:
+    draft = load_model(resolve("qwen2.5-coder-0.5b"), "cpu", "native4", output_rows=DRAFT_VOCAB)
+    target = load_model(resolve("qwen2.5-coder-1.5b"), "cpu", None)
+    if target.kernels is None:
+        raise SystemExit("native kernels unavailable on this machine")
+    print(f"on huge pages after loading: {_anon_huge_mb():.0f} MB")
+
+    def mats(m):
+        return [x for L in m.w.layers for x in (L.qkv, L.o, L.gate_up, L.down)] + [m.w.output]
+
+    def ordinary(ms):
+        return [QLinear(x.data.clone(), x.offsets, x.four, x.out_features, x.in_features) for x in ms]
+
+    sets = {"draft huge": mats(draft), "draft 4k": ordinary(mats(draft)),
+            "target huge": mats(target), "target 4k": ordinary(mats(target))}
+    xs: dict = {}
+
+    def run(ms, M):
+        t = time.perf_counter()
+        for m in ms:
+            m(xs.setdefault((M, m.in_features), torch.randn(M, m.in_features)))
+        return time.perf_counter() - t
+
+    print(f"{'M':>2} " + " ".join(f"{k:>12}" for k in sets) + "   (ms, medians of 15)")
+    for M in (1, 5):
+        times = {k: [] for k in sets}
+        for _ in range(15):
+            for k, ms in sets.items():
+                times[k].append(run(ms, M))
+        print(f"{M:>2} " + " ".join(f"{statistics.median(v) * 1000:>12.2f}" for v in times.values()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
