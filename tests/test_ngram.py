@@ -91,34 +91,3 @@ def test_long_context_matches_the_pure_function():
     prop.extend(seq)
     assert prop.propose(3) == propose_ngram(seq, 3) == [4, 5, 1]
     assert prop.last_match_len == 3
-
-
-def _continue_reference(tokens, extra, k, max_ngram, min_match):
-    """The n-gram rule on context + extra, taking only occurrences that end before the context's last token."""
-    ctx, L = list(tokens) + list(extra), len(tokens)
-    for n in range(min(max_ngram, len(ctx)), min_match - 1, -1):
-        suffix = ctx[len(ctx) - n:]
-        for start in range(L - n - 1, -1, -1):
-            if ctx[start:start + n] == suffix:
-                return ctx[start + n:min(start + n + k, L)]
-    return []
-
-
-@pytest.mark.parametrize("min_match", [1, 2, 3])
-def test_continue_after_a_draft_equals_the_reference(min_match):
-    rng = random.Random(min_match)
-    for _ in range(300):
-        toks = [rng.randrange(5) for _ in range(rng.randrange(1, 40))]
-        extra = [rng.randrange(5) for _ in range(rng.randrange(1, 5))]
-        p = NgramProposer(max_ngram=4, min_ngram=1)
-        p.reset(toks)
-        k = rng.randrange(0, 6)
-        assert p.continue_after(extra, k, min_match) == _continue_reference(toks, extra, k, 4, min_match)
-    assert p.calls == 0                        # not counted as a proposal
-
-
-def test_continue_after_follows_the_copied_text():
-    p = NgramProposer()
-    p.reset([1, 2, 3, 4, 5, 6, 9, 1, 2])
-    assert p.continue_after([3], 3, 2) == [4, 5, 6]       # "2 3" seen before, "4 5 6" followed it
-    assert p.continue_after([7], 3, 2) == []

@@ -36,9 +36,6 @@ class SpecConfig:
     draft_min: int = DRAFT_MIN  # fewest tokens a round may propose (adaptive k stays within [min, max])
     p_min: float = P_MIN        # the draft model drafts on while the product of its probabilities stays above
     ngram_min_match: int = 3    # with a draft model, n-gram proposals need a suffix match this long to be used
-    extend_min_match: int = 2   # greedy draft+ngram: where the draft stops, append the n-gram continuation of
-                                # context + drafts when its match is this long (0: never); the extra verify
-                                # rows cost little (trace replay: 1.69x -> 1.72x, benchmarks/spec_sim.py)
     draft_vocab: int = DRAFT_VOCAB  # FR-Spec: the draft scores only the first N token ids (see jllm/spec);
                                     # the target still verifies over all of them, so exactness holds
     draft_precision: str = "auto"   # auto: native4 for a native target, int8-fast for an int8 one (the draft
@@ -60,12 +57,6 @@ class SpecStats:
     accept_hist: dict = field(default_factory=dict)      # accepted length -> rounds
     draft_s: float = 0.0
     verify_s: float = 0.0
-    extension: list = field(default_factory=lambda: [0, 0, 0])   # rounds, tokens appended, of them accepted
-
-    def record_extension(self, appended: int, accepted: int) -> None:
-        self.extension[0] += 1
-        self.extension[1] += appended
-        self.extension[2] += accepted
 
     def record(self, proposer: str, drafted: int, accepted: int) -> None:
         self.rounds += 1
@@ -85,7 +76,6 @@ class SpecStats:
             "tokens_per_verify": round((self.accepted + self.rounds) / self.rounds, 3) if self.rounds else 0.0,
             "accept_histogram": dict(sorted(self.accept_hist.items())),
             "by_proposer": {k: {"rounds": v[0], "drafted": v[1], "accepted": v[2]} for k, v in self.by_proposer.items()},
-            "ngram_extension": dict(zip(("rounds", "appended", "accepted"), self.extension)),
             "draft_ms": round(self.draft_s * 1000, 1), "verify_ms": round(self.verify_s * 1000, 1),
         }
 
@@ -161,7 +151,6 @@ class SpeculativeDecoder:
         # trusted with 8 steps next round however confident it is (trace replay: an always-wrong draft
         # 0.92x -> 0.95x of plain in draft-only mode, good drafts unchanged)
         self.k = {"ngram": cfg.draft_max, "draft": cfg.draft_max}
-        self.extended = 0           # n-gram tokens appended to the latest draft proposal
         self.gate = gate if gate is not None else DraftGate()
         self.gate.new_generation()
 
@@ -175,11 +164,6 @@ class SpeculativeDecoder:
             if self.use_draft and self.gate.choose() == "draft":
                 d, q = self.draft.propose(context, min(self.k["draft"], room), self.cfg.p_min, params, gen,
                                           k_min=self.cfg.draft_min)
-                self.extended = 0
-                if self.use_ngram and params.greedy and d and self.cfg.extend_min_match:
-                    more = self.ngram.continue_after(d, min(room, self.cfg.draft_max) - len(d),
-                                                     self.cfg.extend_min_match)
-                    d, self.extended = d + more, len(more)
                 return "draft", d, q
             return "ngram", [], None
         finally:
@@ -228,8 +212,6 @@ class SpeculativeDecoder:
                 self.gate.record(n + 1, self.draft.forwards, len(drafts))
             if drafts:
                 self.stats.record(kind, len(drafts), n)
-                if drafted and self.extended:
-                    self.stats.record_extension(self.extended, max(0, n - (len(drafts) - self.extended)))
                 self._adapt(kind, len(drafts), n)
             for tok in drafts[:n]:
                 history.append(tok)

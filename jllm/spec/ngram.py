@@ -98,20 +98,6 @@ class NgramProposer:
         self.time_s += time.perf_counter() - t0
         return draft
 
-    def continue_after(self, extra: Sequence[int], k: int, min_match: int) -> list[int]:
-        """Up to k tokens to follow the context extended by `extra` (a draft, not yet accepted): the n-gram
-        rule on the suffix of context + extra, n >= min_match, among the occurrences the index holds (those
-        inside the accepted context). Counters are left alone: this is no proposal of its own."""
-        toks = self.tokens
-        tail = (list(toks[-self.max_ngram:]) + list(extra))[-self.max_ngram:]
-        if k <= 0:
-            return []
-        for n in range(min(self.max_ngram, len(tail)), max(min_match, self.min_ngram) - 1, -1):
-            end = self._index.get(tuple(tail[len(tail) - n:]))
-            if end is not None:
-                return toks[end:end + k]
-        return []
-
     def record_accepted(self, n: int) -> None:
         self.tokens_accepted += n
 
