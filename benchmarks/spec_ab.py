@@ -69,7 +69,8 @@ def main() -> None:
         print(f"{item['id']:<32} A {p / res['A']:5.2f}x  B {p / res['B']:5.2f}x", flush=True)
     print(f"\nA: {a.a or 'defaults'}    B: {a.b or 'defaults'}    ({time.perf_counter() - t0:.0f} s)")
     print(f"{'category':<14} {'plain tok/s':>12} {'A speedup':>10} {'B speedup':>10}")
-    for cat, s in sums.items():
+    for cat in sorted(sums, key=lambda c: c == "ALL"):
+        s = sums[cat]
         print(f"{cat:<14} {s['tokens'] / s['plain']:>12.2f} {s['plain'] / s['A']:>9.2f}x {s['plain'] / s['B']:>9.2f}x")
 
 
