@@ -22,17 +22,18 @@ _ALIGN = 4096
 
 
 def _region(nbytes: int) -> torch.Tensor:
-    """A uint8 tensor of nbytes (rounded up to whole huge pages) starting on a 2 MiB boundary, asked to be
-    backed by huge pages; plain memory where that cannot be had."""
+    """A zero-filled uint8 tensor of nbytes starting on a 2 MiB boundary, its whole huge pages asked to be
+    backed by huge pages; plain memory where that cannot be had. Pages are faulted in when first touched
+    (anonymous memory comes zeroed), so an unused tail of a KV cache costs no RAM."""
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     private = getattr(mmap, "MAP_PRIVATE", None)
     if advice is None or private is None:
-        return torch.empty(nbytes, dtype=torch.uint8)
+        return torch.zeros(nbytes, dtype=torch.uint8)
     size = -(-nbytes // HUGE) * HUGE
     try:
         mm = mmap.mmap(-1, size + HUGE, flags=private | mmap.MAP_ANONYMOUS)
     except OSError:
-        return torch.empty(nbytes, dtype=torch.uint8)
+        return torch.zeros(nbytes, dtype=torch.uint8)
     whole = torch.frombuffer(mm, dtype=torch.uint8)          # the tensor keeps the mapping alive
     start = -whole.data_ptr() % HUGE
     try:
@@ -43,8 +44,8 @@ def _region(nbytes: int) -> torch.Tensor:
 
 
 class HugePages:
-    """Hands out uint8 tensors from huge-page regions: tensors up to CHUNK share regions, larger ones get
-    their own. Memory is returned to the OS when the last tensor of a region is gone."""
+    """Hands out uint8 tensors from huge-page regions: tensors up to half a CHUNK share regions, larger ones
+    get their own. Memory is returned to the OS when the last tensor of a region is gone."""
 
     def __init__(self):
         self._chunk: torch.Tensor | None = None
@@ -71,5 +72,4 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     n = 1
     for s in shape:
         n *= s
-    t = _region(n * torch.empty(0, dtype=dtype).element_size()).view(dtype).view(shape)
-    return t.zero_()
+    return _region(n * torch.empty(0, dtype=dtype).element_size()).view(dtype).view(shape)
