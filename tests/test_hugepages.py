@@ -71,3 +71,10 @@ def test_memory_is_backed_by_huge_pages():
     gained = _anon_huge_kb() - before
     assert gained >= (64 << 10) + (8 << 10) - 2 * (HUGE >> 10), f"only {gained} kB on huge pages"
     del big, small
+
+
+def test_opt_out_gives_ordinary_memory(monkeypatch):
+    monkeypatch.setenv("JLLM_NO_HUGEPAGES", "1")
+    t = hugepages.zeros((1000,), torch.float32)
+    assert not t.any() and t.shape == (1000,)
+    assert HugePages().empty(5000).numel() == 5000

@@ -7,12 +7,15 @@ each large allocation a private mapping that does not ask. Measured on this mach
 (benchmarks/hugepages_bench.py, BENCHMARKS.md "Huge pages"), all matrices of one decode step ran 6 % faster
 for the 1.5B target and 4-17 % faster for the 0.5B draft from huge pages than from ordinary ones.
 
-Where huge pages are not offered (another OS, THP set to "never"), the same calls return ordinary memory.
+Cost: loading takes longer, since the kernel hands out and zeroes whole 2 MiB pages (cached 1.5B load
+1.4-2.6 s against 0.9-1.1 s on this machine kind). Where huge pages are not offered (another OS, THP set to
+"never"), or with JLLM_NO_HUGEPAGES=1 set, the same calls return ordinary memory.
 """
 
 from __future__ import annotations
 
 import mmap
+import os
 
 import torch
 
@@ -27,7 +30,7 @@ def _region(nbytes: int) -> torch.Tensor:
     (anonymous memory comes zeroed), so an unused tail of a KV cache costs no RAM."""
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     private = getattr(mmap, "MAP_PRIVATE", None)
-    if advice is None or private is None:
+    if advice is None or private is None or os.environ.get("JLLM_NO_HUGEPAGES"):
         return torch.zeros(nbytes, dtype=torch.uint8)
     size = -(-nbytes // HUGE) * HUGE
     try:
