@@ -29,14 +29,22 @@ _tried = False
 _why_not: str | None = None
 
 
-def _cpu_has_vnni() -> bool:
+def _cpu_flags() -> set[str]:
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    line = next((ln for ln in flags.splitlines() if ln.startswith("flags")), "")
-    have = set(line.split())
-    return {"avx512f", "avx512bw", "avx512_vnni"} <= have
+        return set()
+    return set(next((ln for ln in text.splitlines() if ln.startswith("flags")), "").split())
+
+
+def _cpu_has_vnni() -> bool:
+    return {"avx512f", "avx512bw", "avx512_vnni"} <= _cpu_flags()
+
+
+def _flags() -> list[str]:
+    """Compiler flags for this CPU: with GFNI (Ice Lake, Zen 4 and later; not Cascade Lake) the 4-bit
+    unpacking takes one instruction fewer per register (qgemm.cpp)."""
+    return _FLAGS + (["-mgfni", "-DJLLM_GFNI"] if "gfni" in _cpu_flags() else [])
 
 
 def build_dir() -> Path:
@@ -44,7 +52,7 @@ def build_dir() -> Path:
 
     from jllm.paths import cache_dir
 
-    ident = hashlib.sha256(b"".join(s.read_bytes() for s in _SOURCES + _HEADERS) + " ".join(_FLAGS).encode()
+    ident = hashlib.sha256(b"".join(s.read_bytes() for s in _SOURCES + _HEADERS) + " ".join(_flags()).encode()
                            + torch.__version__.encode())
     return cache_dir("kernels", "JLLM_KERNELS_DIR") / ident.hexdigest()[:16]
 
@@ -72,7 +80,7 @@ def qgemm():
             fresh = not any(out.glob("*.so"))
             if fresh:
                 print("jllm: compiling the CPU kernels (once, about 30 s)...", file=sys.stderr, flush=True)
-            mod = ext.load(name="jllm_qgemm", sources=[str(s) for s in _SOURCES], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
+            mod = ext.load(name="jllm_qgemm", sources=[str(s) for s in _SOURCES], extra_cflags=_flags(), extra_ldflags=["-fopenmp"],
                            build_directory=str(out), verbose=False)
             _module = mod
         except Exception as e:                       # no compiler, no headers, read-only disk, ...
