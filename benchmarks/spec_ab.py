@@ -3,7 +3,7 @@ configuration A and with configuration B, back to back in one process (A and B s
 prompt), so the host's minute-to-minute speed swings fall on all three alike. Separate `jllm bench --spec`
 runs differ by ±0.05x from that noise alone.
 
-    python benchmarks/spec_ab.py --b extend_min_match=0 [--a key=value,...] [--limit N]
+    python benchmarks/spec_ab.py --a p_min=0.7 --b p_min=0.6 [--limit N]
 
 Keys are SpecConfig fields; values are parsed as int, float or str.
 """
