@@ -99,7 +99,7 @@ def ngram_lookup(ctx: list[int], k: int, max_n: int = 4) -> tuple[list[int], int
 def replay(row: dict, policy: dict, d: float, V, gate=None) -> tuple[float, int, int, int]:
     """-> (cost in target steps, tokens emitted, drafted, accepted) for one prompt.
 
-    policy: kmax; p_min with rule "before" (jllm's: draft on while the product of the draft's probabilities
+    policy: kmax (kmax_ngram: the n-gram proposer's, default kmax); p_min with rule "before" (jllm's: draft on while the product of the draft's probabilities
     stays >= p_min, decided before each draft step) or "after" (session 2's: run the step, then drop its
     token if its own probability is < p_min: that step is paid for and wasted); ngram (default on); wrong
     (every draft token wrong); grow (a draft round proposes at most `grow` past what the previous one got
@@ -109,7 +109,9 @@ def replay(row: dict, policy: dict, d: float, V, gate=None) -> tuple[float, int,
     ctx = list(row["prompt"]) + [out[0]]       # out[0] comes from the prefill
     i, n_out = 1, len(out)
     cost, drafted, accepted = 0.0, 0, 0
-    kn, kmax, rule = policy["kmax"], policy["kmax"], policy.get("rule", "before")
+    kmax, rule = policy["kmax"], policy.get("rule", "before")
+    kn_max = policy.get("kmax_ngram", kmax)     # the n-gram proposer's own cap (default: the same)
+    kn = kn_max
     synced = i                                  # the draft has seen the text up to here
     cap = kmax                                  # policy "grow": a draft round may go at most this far
     while i < n_out:
@@ -148,7 +150,7 @@ def replay(row: dict, policy: dict, d: float, V, gate=None) -> tuple[float, int,
         drafted += len(drafts)
         accepted += n
         if kind == "ngram":
-            kn = min(kmax, kn + 1) if n == len(drafts) else max(1, n + 1)
+            kn = min(kn_max, kn + 1) if n == len(drafts) else max(1, n + 1)
         ctx.extend(out[i:i + n + 1])
         i += n + 1
     return cost, n_out - 1, drafted, accepted
