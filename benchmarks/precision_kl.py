@@ -2,6 +2,11 @@
 token, and how often the top-1 token equals exact's. Teacher-forced over one context, in chunks.
 
     python benchmarks/precision_kl.py [-m MODEL] [--text FILE] [--tokens N] [precisions ...]
+    python benchmarks/precision_kl.py native --six-bit     # also: native with Q6_K etc. on 64 levels
+
+--six-bit answers "what would 6-bit tiles cost in accuracy" before building them: it adds a `native` load
+whose requantized tensors (Q6_K, floats) get 64 affine levels per block of 32 instead of 255 (still stored
+in 8-bit tiles, so only the accuracy is simulated, not the bytes), converted into a scratch directory.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ def main() -> None:
     ap.add_argument("-m", "--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--text", default=str(DEFAULT_TEXT))
     ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--six-bit", action="store_true", help="add native with 64-level requantization (see above)")
     a = ap.parse_args()
     path = resolve(a.model)
     exact = load_model(path, "cpu", "exact", max_positions=a.tokens)
@@ -49,11 +55,40 @@ def main() -> None:
     rows = [("exact", ref)]
     for p in a.precisions:
         rows.append((p, log_probs(load_model(path, "cpu", p, max_positions=a.tokens), ids)))
+    if a.six_bit:
+        rows.append(("native-6b", _six_bit_log_probs(path, ids, a.tokens)))
     for name, lp in rows:
         ppl = math.exp(-lp.gather(1, targets[:, None]).mean().item())
         kl = (ref.exp() * (ref - lp)).sum(-1).mean().item()
         top1 = (lp.argmax(-1) == ref.argmax(-1)).float().mean().item()
         print(f"{name:<10} {ppl:>10.3f} {kl:>12.4f} {top1:>13.1%}")
+
+
+def _six_bit_log_probs(path, ids: list[int], tokens: int) -> torch.Tensor:
+    import os
+    import tempfile
+
+    from jllm.model import qlinear
+
+    def requantize6(v: torch.Tensor):
+        lo, hi = v.amin(dim=1), v.amax(dim=1)
+        s = (hi - lo) / 63.0
+        inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
+        q = ((v - lo[:, None]) * inv[:, None]).round_().clamp_(0, 63).to(torch.uint8)
+        return q, s, -lo
+
+    original, before = qlinear._requantize, os.environ.get("JLLM_CONVERTED_DIR")
+    with tempfile.TemporaryDirectory() as scratch:        # never into the real converted cache
+        os.environ["JLLM_CONVERTED_DIR"] = scratch
+        qlinear._requantize = requantize6
+        try:
+            return log_probs(load_model(path, "cpu", "native", max_positions=tokens), ids)
+        finally:
+            qlinear._requantize = original
+            if before is None:
+                os.environ.pop("JLLM_CONVERTED_DIR", None)
+            else:
+                os.environ["JLLM_CONVERTED_DIR"] = before
 
 
 if __name__ == "__main__":
