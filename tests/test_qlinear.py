@@ -144,6 +144,44 @@ def test_kernel_on_real_q4_k_and_q6_k_weights_tracks_float(real_model):
         assert rel < 0.02, f"{name} ({info.ggml_type.name}): relative error {rel:.4f}"
 
 
+_PLAIN_PATH = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from jllm import kernels
+assert "-DJLLM_GFNI" not in kernels._flags()
+from test_qlinear import gfni_case
+lin, x = gfni_case()
+torch.save(lin(x), {out!r})
+"""
+
+
+def gfni_case():
+    rng = torch.Generator().manual_seed(11)
+    return packed(random_parts(rng, [(48, True), (16, False)], 640), 640), torch.randn(5, 640, generator=rng)
+
+
+@pytest.mark.skipif("gfni" not in open("/proc/cpuinfo").read(), reason="this CPU builds only the plain path")
+def test_gfni_and_plain_unpacking_give_the_same_bits(tmp_path):
+    """Where the CPU has GFNI the kernel unpacks 4-bit weights with it (this process's build), else with
+    shift and mask; a build of the plain path (JLLM_NO_GFNI, its own process and build directory: one
+    module per process) must give bitwise the same outputs."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from jllm import kernels
+
+    assert "-DJLLM_GFNI" in kernels._flags()
+    lin, x = gfni_case()
+    out = tmp_path / "plain.pt"
+    env = {**os.environ, "JLLM_NO_GFNI": "1", "JLLM_KERNELS_DIR": str(tmp_path / "kernels")}
+    code = _PLAIN_PATH.format(tests=str(Path(__file__).parent), out=str(out))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert torch.equal(lin(x), torch.load(out))
+
+
 def test_no_kernels_falls_back_to_int8(tmp_path):
     import subprocess
     import sys
