@@ -13,17 +13,11 @@ import time
 
 import torch
 
+from jllm.model.hugepages import resident_huge_bytes
 from jllm.model.loader import load_model
 from jllm.model.qlinear import QLinear
 from jllm.spec import DRAFT_VOCAB
 from jllm.store import resolve
-
-
-def _anon_huge_mb() -> float:
-    for line in open("/proc/self/smaps_rollup"):
-        if line.startswith("AnonHugePages:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def main() -> None:
@@ -31,16 +25,13 @@ def main() -> None:
     target = load_model(resolve("qwen2.5-coder-1.5b"), "cpu", None)
     if target.kernels is None:
         raise SystemExit("native kernels unavailable on this machine")
-    print(f"on huge pages after loading: {_anon_huge_mb():.0f} MB")
-
-    def mats(m):
-        return [x for L in m.w.layers for x in (L.qkv, L.o, L.gate_up, L.down)] + [m.w.output]
+    print(f"on huge pages after loading: {resident_huge_bytes() / 2**20:.0f} MB")
 
     def ordinary(ms):
         return [QLinear(x.data.clone(), x.offsets, x.four, x.out_features, x.in_features) for x in ms]
 
-    sets = {"draft huge": mats(draft), "draft 4k": ordinary(mats(draft)),
-            "target huge": mats(target), "target 4k": ordinary(mats(target))}
+    sets = {"draft huge": draft.w.matrices(), "draft 4k": ordinary(draft.w.matrices()),
+            "target huge": target.w.matrices(), "target 4k": ordinary(target.w.matrices())}
     xs: dict = {}
 
     def run(ms, M):

@@ -65,30 +65,18 @@ def main() -> None:
 
 
 def _six_bit_log_probs(path, ids: list[int], tokens: int) -> torch.Tensor:
+    import functools
     import os
     import tempfile
+    from unittest import mock
 
     from jllm.model import qlinear
 
-    def requantize6(v: torch.Tensor):
-        lo, hi = v.amin(dim=1), v.amax(dim=1)
-        s = (hi - lo) / 63.0
-        inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
-        q = ((v - lo[:, None]) * inv[:, None]).round_().clamp_(0, 63).to(torch.uint8)
-        return q, s, -lo
-
-    original, before = qlinear._requantize, os.environ.get("JLLM_CONVERTED_DIR")
-    with tempfile.TemporaryDirectory() as scratch:        # never into the real converted cache
-        os.environ["JLLM_CONVERTED_DIR"] = scratch
-        qlinear._requantize = requantize6
-        try:
-            return log_probs(load_model(path, "cpu", "native", max_positions=tokens), ids)
-        finally:
-            qlinear._requantize = original
-            if before is None:
-                os.environ.pop("JLLM_CONVERTED_DIR", None)
-            else:
-                os.environ["JLLM_CONVERTED_DIR"] = before
+    with tempfile.TemporaryDirectory() as scratch, \
+            mock.patch.dict(os.environ, {"JLLM_CONVERTED_DIR": scratch}), \
+            mock.patch.object(qlinear, "_requantize", functools.partial(qlinear._requantize_affine, levels=64)):
+        # scratch: these tiles must never land in the real converted cache
+        return log_probs(load_model(path, "cpu", "native", max_positions=tokens), ids)
 
 
 if __name__ == "__main__":

@@ -17,10 +17,7 @@ def _thp_offered() -> bool:
 
 
 def _anon_huge_kb() -> int:
-    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
-        if line.startswith("AnonHugePages:"):
-            return int(line.split()[1])
-    return 0
+    return hugepages.resident_huge_bytes() >> 10
 
 
 def test_tensors_are_distinct_aligned_and_writable():

@@ -24,13 +24,12 @@ import os
 import struct
 from pathlib import Path
 
-import numpy as np
 import torch
 
 MAGIC = b"JLLMW\x00\x02\x00"
 VERSION = 2
-_DTYPES = {"int8": (torch.int8, np.int8), "float32": (torch.float32, np.float32), "uint8": (torch.uint8, np.uint8),
-           "int64": (torch.int64, np.int64), "bool": (torch.bool, np.bool_)}
+_DTYPES = {"int8": torch.int8, "float32": torch.float32, "uint8": torch.uint8, "int64": torch.int64,
+           "bool": torch.bool}
 
 
 def cache_key(gguf_path: Path, precision: str) -> str:
@@ -66,24 +65,19 @@ class ConvertedReader:
             raise ValueError("truncated")
 
     def get(self, name: str, alloc=None) -> torch.Tensor:
-        """The named tensor, read from the file; alloc(nbytes) -> uint8 tensor: memory to read it into."""
+        """The named tensor, read from the file into alloc(nbytes) (a uint8 tensor; default: ordinary memory)."""
         dtype, shape, offset, nbytes = self.tensors[name]
-        if alloc is not None:
-            out = alloc(nbytes)
-            view = memoryview(out.numpy()).cast("B")
-            with open(self.path, "rb") as f:
-                f.seek(self.data_start + offset)
-                done = 0
-                while done < nbytes:
-                    n = f.readinto(view[done:])
-                    if not n:
-                        raise ValueError("truncated")
-                    done += n
-            return out.view(_DTYPES[dtype][0]).view(shape)
-        np_dtype = np.dtype(_DTYPES[dtype][1])
-        arr = np.fromfile(self.path, dtype=np_dtype, count=nbytes // np_dtype.itemsize,
-                          offset=self.data_start + offset)
-        return torch.from_numpy(arr).reshape(shape)
+        out = alloc(nbytes) if alloc is not None else torch.empty(nbytes, dtype=torch.uint8)
+        view = memoryview(out.numpy()).cast("B")
+        with open(self.path, "rb") as f:
+            f.seek(self.data_start + offset)
+            done = 0
+            while done < nbytes:
+                n = f.readinto(view[done:])
+                if not n:
+                    raise ValueError("truncated")
+                done += n
+        return out.view(_DTYPES[dtype]).view(shape)
 
 
 class ConvertedWriter:

@@ -76,3 +76,15 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     for s in shape:
         n *= s
     return _region(n * torch.empty(0, dtype=dtype).element_size()).view(dtype).view(shape)
+
+
+def resident_huge_bytes() -> int:
+    """Bytes of this process's memory on transparent huge pages (0 where the kernel does not say)."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1]) << 10
+    except OSError:
+        pass
+    return 0

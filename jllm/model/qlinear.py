@@ -48,12 +48,12 @@ def _requantize(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return q, s, s * 128.0
 
 
-def _requantize4(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """float [nb, 32] -> affine 16-level q, s, m (value = s q - m, m = -min)."""
+def _requantize_affine(v: torch.Tensor, levels: int = 16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float [nb, 32] -> affine q in [0, levels), s, m (value = s q - m, m = -min)."""
     lo, hi = v.amin(dim=1), v.amax(dim=1)
-    s = (hi - lo) / 15.0
+    s = (hi - lo) / (levels - 1)
     inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
-    q = ((v - lo[:, None]) * inv[:, None]).round_().clamp_(0, 15).to(torch.uint8)
+    q = ((v - lo[:, None]) * inv[:, None]).round_().clamp_(0, levels - 1).to(torch.uint8)
     return q, s, -lo
 
 
@@ -65,7 +65,7 @@ def block_codes(raw: torch.Tensor, ggml_type: T, rows: int, cols: int, four_bit:
     nb = rows * cols // BLOCK
     if four_bit and ggml_type not in FOUR_BIT:
         v = quants.dequantize(raw, ggml_type, (rows, cols)).view(nb, BLOCK)
-        q, s, m = _requantize4(v)
+        q, s, m = _requantize_affine(v)
     elif ggml_type == T.Q4_0:
         b = _blocks(raw, ggml_type)
         q, d = _nibbles(b[:, 2:], 1), _half(b, 0)[:, 0]

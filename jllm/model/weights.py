@@ -101,11 +101,12 @@ class Weights:
     output_norm: torch.Tensor
     output: object
 
+    def matrices(self) -> list:
+        """Every linear layer a decode step reads, in order: per layer qkv, o, gate_up, down; then the output."""
+        return [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.output]
+
     def nbytes(self) -> int:
-        total = self.output.nbytes()
-        for layer in self.layers:
-            total += sum(lin.nbytes() for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
-        return total
+        return sum(lin.nbytes() for lin in self.matrices())
 
 
 class _Builder:
