@@ -64,13 +64,13 @@ def _scratch(cfg, ctx: int, output_rows: int | None, verify_tokens: int) -> int:
 
 def _native_weights(g: GGUFFile, cfg, output_rows: int | None, all_four: bool = False) -> int:
     """The native kernel's packed matrices, fused as weights.py fuses them, plus norms and biases in f32."""
-    from jllm.model.qlinear import FOUR_BIT, packed_bytes
+    from jllm.model.qlinear import packed_bytes, row_kind
     from jllm.model.weights import layer_matrices, output_matrix
 
     t = g.tensors
 
     def fused(names: list[str], max_rows: int | None = None) -> int:
-        parts = [(min(max_rows, t[n].shape[0]) if max_rows else t[n].shape[0], all_four or t[n].ggml_type in FOUR_BIT)
+        parts = [(min(max_rows, t[n].shape[0]) if max_rows else t[n].shape[0], row_kind(t[n].ggml_type, all_four))
                  for n in names]
         return packed_bytes(parts, t[names[0]].shape[1])
 

@@ -30,16 +30,22 @@ def gguf_bytes(ggml_type, rows, cols, seed=0):
     return np.ascontiguousarray(raw).reshape(-1).view(np.uint8), None
 
 
+E, F, C = ql.EIGHT, ql.FOUR, ql.COMPACT          # tile kinds: 8-bit, 4-bit, compact 4-bit
+
+
 def linear(matrix: ql.PackedMatrix, bias=None) -> ql.QLinear:
     """The packed matrix as the model's linear layer (the kernel call the model makes)."""
-    data, offsets, four = matrix.pack()
-    return ql.QLinear(data, offsets, four, matrix.rows, matrix.cols, bias)
+    data, offsets, kinds = matrix.pack()
+    return ql.QLinear(data, offsets, kinds, matrix.rows, matrix.cols, bias)
 
 
 def packed(parts, cols, bias=None) -> ql.QLinear:
     m = ql.PackedMatrix(cols)
-    for q, s, mn, four in parts:
-        m.add(q, s, mn, four)
+    for q, a, b, kind in parts:
+        if kind == C:
+            m.add_compact(q, a, b)
+        else:
+            m.add(q, a, b, kind)
     return linear(m, bias)
 
 
@@ -68,43 +74,96 @@ def test_requantized_types_stay_within_half_a_step(ggml_type):
 
 
 def random_parts(rng, sizes, cols):
+    """[(rows, kind)] -> parts (q, s, m, kind), or (q, units, codes, COMPACT) with negative codes too."""
     parts = []
-    for rows, four in sizes:
-        hi = 16 if four else 256
-        q = torch.randint(0, hi, (rows, cols), dtype=torch.uint8, generator=rng)
-        s = torch.rand(rows, cols // 32, generator=rng) * 0.01
-        m = torch.rand(rows, cols // 32, generator=rng) * 0.05 * (1 if four else 10)
-        parts.append((q, s, m, four))
+    nb = cols // 32
+    for rows, kind in sizes:
+        q = torch.randint(0, 256 if kind == E else 16, (rows, cols), dtype=torch.uint8, generator=rng)
+        if kind == C:
+            units = (torch.rand(rows, nb // ql.super_blocks(nb), 2, generator=rng) * 1e-3).half().float()
+            codes = torch.randint(-127, 128, (rows, nb, 2), dtype=torch.int8, generator=rng)
+            parts.append((q, units, codes, C))
+            continue
+        s = torch.rand(rows, nb, generator=rng) * 0.01
+        m = torch.rand(rows, nb, generator=rng) * 0.05 * (10 if kind == E else 1)
+        parts.append((q, s, m, kind))
     return parts
 
 
-@pytest.mark.parametrize("sizes", [[(32, True)], [(40, True), (60, False)], [(16, False), (48, True), (3, True)]])
-def test_pack_round_trips_and_sizes_are_planned(sizes):
+def part_scales(part):
+    q, a, b, kind = part
+    return ql.compact_scales(a, b) if kind == C else (a, b)
+
+
+@pytest.mark.parametrize("sizes", [[(32, F)], [(40, F), (60, E)], [(16, E), (48, F), (3, F)], [(48, C)],
+                                   [(24, C), (24, F), (16, C), (40, E), (5, C)]])
+@pytest.mark.parametrize("cols", [96, 256, 896])
+def test_pack_round_trips_and_sizes_are_planned(sizes, cols):
     rng = torch.Generator().manual_seed(1)
-    cols = 96
     parts = random_parts(rng, sizes, cols)
     lin = packed(parts, cols)
-    data, offsets, four = lin.data, lin.offsets, lin.four
+    data, offsets, kinds = lin.data, lin.offsets, lin.kinds
     n = sum(r for r, _ in sizes)
     assert data.numel() == ql.packed_bytes(sizes, cols) == int(offsets[-1])
-    q, s, m = ql.unpack(data, offsets, four, n, cols)
+    # a tile takes the lowest kind of its rows (padding rows take any)
+    row_kind = [k for r, k in sizes for _ in range(r)] + [C] * (-n % 16)
+    tile_kind = [min(row_kind[i:i + 16]) for i in range(0, len(row_kind), 16)]
+    assert kinds.tolist() == tile_kind
+    q, s, m = ql.unpack(data, offsets, kinds, n, cols)
     assert torch.equal(q, torch.cat([p[0] for p in parts]))
-    assert torch.equal(s, torch.cat([p[1] for p in parts]).half().float())
-    assert torch.equal(m, torch.cat([p[2] for p in parts]).half().float())
-    # a tile is 4-bit exactly when all its rows are
-    row_four = [f for r, f in sizes for _ in range(r)] + [True] * (-n % 16)
-    assert four.tolist() == [all(row_four[i:i + 16]) for i in range(0, len(row_four), 16)]
+    # compact tiles keep the exact products of unit and code, the others f16 (s, m)
+    exact = torch.tensor([tile_kind[i // 16] == C for i in range(n)])[:, None]
+    want_s, want_m = (torch.cat(x) for x in zip(*map(part_scales, parts)))
+    assert torch.equal(s, torch.where(exact, want_s, want_s.half().float()))
+    assert torch.equal(m, torch.where(exact, want_m, want_m.half().float()))
+
+
+def test_compact_tiles_read_fewer_bytes():
+    nb = 1536 // 32
+    assert ql._tile_bytes(1536, C) == nb * 288 + nb // 8 * 64 == 0.925 * ql._tile_bytes(1536, F)
+    assert ql.super_blocks(896 // 32) == 7 and ql.super_blocks(8960 // 32) == 8 and ql.super_blocks(3) == 3
+
+
+def test_q4_k_maps_exactly_onto_compact_codes():
+    rows, cols = 24, 512
+    raw, _ = gguf_bytes(T.Q4_K, rows, cols)
+    q, units, codes = ql.compact_codes(torch.from_numpy(raw), T.Q4_K, rows, cols)
+    s, m = ql.compact_scales(units, codes)
+    value = (q.view(rows, -1, 32).float() * s[..., None] - m[..., None]).view(rows, cols)
+    assert torch.equal(value, quants.dequantize(raw, T.Q4_K, (rows, cols)))     # the same float32 ops
+
+
+@pytest.mark.parametrize("ggml_type", [T.Q5_0, T.Q8_0, T.Q6_K, T.F32], ids=lambda t: t.name)
+def test_compact_requantization_is_as_close_as_per_block_scales(ggml_type):
+    """native4 requantizes wider types onto compact 4-bit: the block's (s, m) rounded onto an int8 grid under
+    its super-block's units, q refitted. Its error must stay that of 16 levels with exact per-block scales."""
+    rows, cols = 32, 1792 if ggml_type == T.Q6_K else 896     # 7 blocks a super-block at 896
+    raw, _ = gguf_bytes(ggml_type, rows, cols)
+    exact = quants.dequantize(raw, ggml_type, (rows, cols))
+    q, units, codes = ql.compact_codes(torch.from_numpy(raw), ggml_type, rows, cols)
+    s, m = ql.compact_scales(units, codes)
+    value = (q.view(rows, -1, 32).float() * s[..., None] - m[..., None]).view(rows, cols)
+    q1, s1, m1 = ql._requantize_affine(exact.view(-1, 32))
+    plain = (q1.float() * s1[:, None] - m1[:, None]).view(rows, cols)
+    err, err_plain = (value - exact).pow(2).mean().sqrt(), (plain - exact).pow(2).mean().sqrt()
+    assert err <= 1.1 * err_plain, (err, err_plain)
+    # each weight within half a step, plus what rounding (s, m) onto the super-block's grid can shift
+    g = codes.shape[1] // units.shape[1]
+    unit_s, unit_m = (units[..., i].repeat_interleave(32 * g, dim=1) for i in (0, 1))
+    bound = 0.5 * s.repeat_interleave(32, dim=1) + 0.5 * unit_m + 8 * unit_s
+    assert ((value - exact).abs() <= bound * (1 + 1e-5)).all()
 
 
 @pytest.mark.parametrize("m_rows", [1, 2, 5, 9, 10, 11, 17, 40])
 def test_kernel_matches_float64_oracle(m_rows):
     rng = torch.Generator().manual_seed(m_rows)
     cols = 320
-    parts = random_parts(rng, [(40, True), (24, False), (9, True)], cols)
-    n = 73
+    parts = random_parts(rng, [(40, F), (24, E), (32, C), (9, F), (7, C)], cols)
+    n = 112
     bias = torch.randn(n, generator=rng)
     lin = packed(parts, cols, bias)
-    q, s, m = ql.unpack(lin.data, lin.offsets, lin.four, n, cols)
+    assert set(lin.kinds.tolist()) == {E, F, C}
+    q, s, m = ql.unpack(lin.data, lin.offsets, lin.kinds, n, cols)
     x = torch.randn(m_rows, cols, generator=rng)
     x[:, 7] *= 30                                    # an outlier channel, as LLM activations have
     y = lin(x)
@@ -116,7 +175,7 @@ def test_kernel_matches_float64_oracle(m_rows):
 def test_rows_are_bitwise_independent_of_the_batch():
     rng = torch.Generator().manual_seed(3)
     cols = 1536
-    lin = packed(random_parts(rng, [(256, True), (64, False)], cols), cols)
+    lin = packed(random_parts(rng, [(256, F), (64, E), (128, C)], cols), cols)
     x = torch.randn(24, cols, generator=rng)
     full = lin(x)
     for i in range(24):
@@ -128,20 +187,28 @@ def test_rows_are_bitwise_independent_of_the_batch():
     assert torch.equal(lin(other)[0], full[0])
 
 
-def test_kernel_on_real_q4_k_and_q6_k_weights_tracks_float(real_model):
+@pytest.mark.parametrize("four_bit, bound", [(False, 0.02), (True, 0.12)], ids=["native", "native4"])
+def test_kernel_on_real_weights_tracks_float(real_model, four_bit, bound):
+    """Real Q5_0, Q6_K and Q4_K tensors (the 0.5B has all three in its first layers) at their own width, and
+    requantized to compact 4-bit as the draft model loads them (native4)."""
     from jllm.gguf.reader import read_gguf
 
     g = read_gguf(real_model("qwen2.5-coder-0.5b"))
-    for name in ("blk.0.attn_q.weight", "blk.0.ffn_down.weight"):
+    seen = set()
+    for name in ("blk.0.attn_q.weight", "blk.0.ffn_down.weight", "blk.2.ffn_down.weight"):
         info = g.tensors[name]
+        seen.add(info.ggml_type)
         rows, cols = info.shape
         m = ql.PackedMatrix(cols)
-        ql.pack_gguf_rows(m, g.raw(name), info.ggml_type, rows)
+        ql.pack_gguf_rows(m, g.raw(name), info.ggml_type, rows, four_bit)
         w = quants.dequantize(g.raw(name), info.ggml_type, (rows, cols))
         x = torch.randn(3, cols)
-        y, want = linear(m)(x), x @ w.T
+        lin = linear(m)
+        y, want = lin(x), x @ w.T
+        assert set(lin.kinds.tolist()) == {ql.row_kind(info.ggml_type, four_bit)}
         rel = ((y - want).norm() / want.norm()).item()
-        assert rel < 0.02, f"{name} ({info.ggml_type.name}): relative error {rel:.4f}"
+        assert rel < bound, f"{name} ({info.ggml_type.name}): relative error {rel:.4f}"
+    assert {T.Q5_0, T.Q4_K, T.Q6_K} <= seen
 
 
 _PLAIN_PATH = """
@@ -157,7 +224,8 @@ torch.save(lin(x), {out!r})
 
 def gfni_case():
     rng = torch.Generator().manual_seed(11)
-    return packed(random_parts(rng, [(48, True), (16, False)], 640), 640), torch.randn(5, 640, generator=rng)
+    return (packed(random_parts(rng, [(48, F), (16, E), (32, C)], 640), 640),
+            torch.randn(5, 640, generator=rng))
 
 
 @pytest.mark.skipif("gfni" not in open("/proc/cpuinfo").read(), reason="this CPU builds only the plain path")

@@ -116,8 +116,8 @@ def _q5_1(b: torch.Tensor, out: torch.Tensor) -> None:
     out.add_(_half(b, 2))
 
 
-def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K/Q5_K block header -> (d*scale, dmin*min), each [nb, 8, 1] float32.
+def k_scale_codes(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K block header -> (d, dmin float32 [nb], scales, mins uint8 [nb, 8]) (also used by model/qlinear).
 
     Bytes 4..15 hold eight 6-bit scales and mins: bytes 0-3 = scale lo 6 bits (top 2 = scale 4-7 hi),
     bytes 4-7 = min lo 6 bits (top 2 = min 4-7 hi), bytes 8-11 = scale 4-7 lo nibble | min 4-7 lo nibble.
@@ -127,7 +127,13 @@ def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     a, m, c = s[:, 0], s[:, 1], s[:, 2]
     sc = torch.cat([a & 0x3F, (c & 0x0F) | ((a >> 2) & 0x30)], dim=1)
     mn = torch.cat([m & 0x3F, (c >> 4) | ((m >> 2) & 0x30)], dim=1)
-    return (_half(b, 0) * sc).unsqueeze(-1), (_half(b, 2) * mn).unsqueeze(-1)
+    return _half(b, 0)[:, 0], _half(b, 2)[:, 0], sc, mn
+
+
+def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K block header -> (d*scale, dmin*min), each [nb, 8, 1] float32."""
+    d, dmin, sc, mn = k_scale_codes(b)
+    return (d[:, None] * sc).unsqueeze(-1), (dmin[:, None] * mn).unsqueeze(-1)
 
 
 def _q4_k(b: torch.Tensor, out: torch.Tensor) -> None:

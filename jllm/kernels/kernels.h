@@ -3,7 +3,7 @@
 
 #include <torch/extension.h>
 
-torch::Tensor qmatmul(torch::Tensor x, torch::Tensor data, torch::Tensor offsets, torch::Tensor four, int64_t n,
+torch::Tensor qmatmul(torch::Tensor x, torch::Tensor data, torch::Tensor offsets, torch::Tensor kinds, int64_t n,
                       torch::Tensor bias, int64_t group_bytes);                       // qgemm.cpp
 torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t start, int64_t window,
                         double scale);                                                // attention.cpp

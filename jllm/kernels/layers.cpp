@@ -13,10 +13,10 @@
 namespace {
 
 struct QMat {                      // a QLinear's tensors
-    torch::Tensor data, offsets, four, bias;
+    torch::Tensor data, offsets, kinds, bias;
     int64_t n = 0;
     torch::Tensor operator()(const torch::Tensor& x, int64_t group) const {
-        return qmatmul(x, data, offsets, four, n, bias, group);
+        return qmatmul(x, data, offsets, kinds, n, bias, group);
     }
 };
 
@@ -38,7 +38,7 @@ public:
         : H(n_heads), Hk(n_kv_heads), hd(head_dim), eps(eps), attn_scale(attn_scale), neox(neox),
           rope_dim(rope_dim), gelu(gelu), group(group_bytes) {}
 
-    // norms: attn, q, k, post_attn, ffn, post_ffn (empty tensor: absent); mats: data, offsets, four, bias of
+    // norms: attn, q, k, post_attn, ffn, post_ffn (empty tensor: absent); mats: data, offsets, kinds, bias of
     // qkv, o, gate_up, down in turn; ns: their output features.
     void add_layer(std::vector<torch::Tensor> norms, std::vector<torch::Tensor> mats, std::vector<int64_t> ns,
                    torch::Tensor cos, torch::Tensor sin, int64_t window) {

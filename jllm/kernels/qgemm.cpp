@@ -2,12 +2,17 @@
 //
 // Weights (made by jllm/model/qlinear.py): tiles of 16 output rows; a tile is a sequence of blocks of 32
 // inputs, each holding 16 x 32 unsigned integer weights q with one (scale s, min m) pair per output row,
-// the value being s * q - m. A tile is 4-bit (q in 0..15, two values per byte) or 8-bit (q in 0..255).
-// Per block:
-//     4-bit: 4 x 64 bytes. Register j holds, for each of the 16 rows o, bytes o*4 .. o*4+3: the low nibbles
-//            are inputs 4j .. 4j+3 of the block, the high nibbles inputs 4(j+4) .. 4(j+4)+3.
-//     8-bit: 8 x 64 bytes. Register g holds bytes o*4 + i = q[o][4g + i].
-//     then  16 x f16 scales, 16 x f16 mins.
+// the value being s * q - m. A tile is of one of three kinds:
+//     8-bit   q in 0..255: per block 8 x 64 bytes (register g holds bytes o*4 + i = q[o][4g + i]),
+//             then 16 x f16 scales, 16 x f16 mins.
+//     4-bit   q in 0..15, two values per byte: per block 4 x 64 bytes (register j holds, for each of the 16
+//             rows o, bytes o*4 .. o*4+3: the low nibbles are inputs 4j .. 4j+3 of the block, the high
+//             nibbles inputs 4(j+4) .. 4(j+4)+3), then 16 x f16 scales, 16 x f16 mins.
+//     compact 4-bit with Q4_K's scale layout: blocks come in super-blocks of g (the largest divisor of the
+//             row's block count up to 8); a super-block starts with 16 x f16 scale units D and 16 x f16 min
+//             units Dm, and each of its blocks holds the 4 x 64 bytes of weights, then 16 x int8 scale
+//             codes and 16 x int8 min codes: s = D * code, m = Dm * code (exact in f32). 288 + 64 / g
+//             bytes a block instead of 320: 7.5 % fewer bytes to read per token.
 // One `vpdpbusd` multiplies a register of weights with four activation bytes broadcast to all 16 rows.
 //
 // Activations: each row of x is quantized on its own, per block of 32, to int8 in [-127, 127] with scale
@@ -64,14 +69,24 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, 
     }
 }
 
-template <int R>
-inline void tile_rows(const uint8_t* w, bool four, int64_t nb, const int8_t* xq, const float* dx,
+enum Kind { kEight = 0, kFour = 1, kCompact = 2 };
+
+template <int R, int KIND>
+inline void tile_rows(const uint8_t* w, int64_t nb, int64_t g, const int8_t* xq, const float* dx,
                       const float* bsx, int64_t K, float* y, int64_t ldy, int valid, const float* bias) {
+    constexpr bool four = KIND != kEight;
     __m512 acc[R];
+    __m512 unit_s = _mm512_setzero_ps(), unit_m = _mm512_setzero_ps();     // compact: the super-block's D, Dm
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(0x0F);
     const uint8_t* p = w;
-    for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t b = 0, in_super = 0; b < nb; ++b) {
+        if (KIND == kCompact && in_super-- == 0) {
+            unit_s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+            unit_m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p + 32)));
+            p += 64;
+            in_super = g - 1;
+        }
         __m512i ia[R];
         for (int r = 0; r < R; ++r) ia[r] = _mm512_setzero_si512();
         // Ask for the weights a few blocks ahead, so memory streams while this block computes.
@@ -84,7 +99,7 @@ inline void tile_rows(const uint8_t* w, bool four, int64_t nb, const int8_t* xq,
                 _mm_prefetch((const char*)p + kPrefetchL2 + 64 * l, _MM_HINT_T1);
         const int32_t* xb[R];
         for (int r = 0; r < R; ++r) xb[r] = (const int32_t*)(xq + r * K + b * 32);
-        if (four) {
+        if constexpr (four) {
             for (int j = 0; j < 4; ++j) {
                 __m512i v = _mm512_loadu_si512(p + 64 * j);
                 __m512i lo = _mm512_and_si512(v, low);
@@ -110,9 +125,16 @@ inline void tile_rows(const uint8_t* w, bool four, int64_t nb, const int8_t* xq,
             }
             p += 512;
         }
-        __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
-        __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p + 32)));
-        p += 64;
+        __m512 sc, mn;
+        if constexpr (KIND == kCompact) {
+            sc = _mm512_mul_ps(unit_s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))));
+            mn = _mm512_mul_ps(unit_m, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 16)))));
+            p += 32;
+        } else {
+            sc = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+            mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p + 32)));
+            p += 64;
+        }
         for (int r = 0; r < R; ++r) {
             __m512 t = _mm512_mul_ps(sc, _mm512_set1_ps(dx[r * nb + b]));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[r]), t, acc[r]);
@@ -124,17 +146,28 @@ inline void tile_rows(const uint8_t* w, bool four, int64_t nb, const int8_t* xq,
     for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy, mask, _mm512_add_ps(acc[r], bv));
 }
 
-using TileFn = void (*)(const uint8_t*, bool, int64_t, const int8_t*, const float*, const float*, int64_t,
+using TileFn = void (*)(const uint8_t*, int64_t, int64_t, const int8_t*, const float*, const float*, int64_t,
                         float*, int64_t, int, const float*);
-constexpr TileFn kTile[kMaxRows + 1] = {nullptr, tile_rows<1>, tile_rows<2>, tile_rows<3>, tile_rows<4>,
-                                        tile_rows<5>, tile_rows<6>, tile_rows<7>, tile_rows<8>, tile_rows<9>,
-                                        tile_rows<10>};
+template <int KIND>
+constexpr TileFn kByRows[kMaxRows + 1] = {nullptr, tile_rows<1, KIND>, tile_rows<2, KIND>, tile_rows<3, KIND>,
+                                        tile_rows<4, KIND>, tile_rows<5, KIND>, tile_rows<6, KIND>,
+                                        tile_rows<7, KIND>, tile_rows<8, KIND>, tile_rows<9, KIND>,
+                                        tile_rows<10, KIND>};
+constexpr const TileFn* kTile[3] = {kByRows<kEight>, kByRows<kFour>, kByRows<kCompact>};
+
+// Blocks per super-block of a compact tile: the largest divisor of the row's block count up to 8 (8 for
+// Q4_K rows, whose super-blocks are 256 inputs). qlinear.super_blocks is the same rule.
+int64_t super_blocks(int64_t nb) {
+    int64_t g = 8;
+    while (nb % g) --g;
+    return g;
+}
 
 }  // namespace
 
-// x: [M, K] f32; data: uint8 (all tiles); offsets: int64 [T + 1] byte offset of each tile; four: bool [T]
-// (4-bit tile or 8-bit); n: output features (<= 16 T); bias: [n] f32 or empty. -> y [M, n] f32
-torch::Tensor qmatmul(torch::Tensor x, torch::Tensor data, torch::Tensor offsets, torch::Tensor four,
+// x: [M, K] f32; data: uint8 (all tiles); offsets: int64 [T + 1] byte offset of each tile; kinds: uint8 [T]
+// (Kind above); n: output features (<= 16 T); bias: [n] f32 or empty. -> y [M, n] f32
+torch::Tensor qmatmul(torch::Tensor x, torch::Tensor data, torch::Tensor offsets, torch::Tensor kinds,
                       int64_t n, torch::Tensor bias, int64_t group_bytes) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [M, K] float32");
     x = x.contiguous();
@@ -150,7 +183,10 @@ torch::Tensor qmatmul(torch::Tensor x, torch::Tensor data, torch::Tensor offsets
     auto y = torch::empty({M, n}, torch::kFloat32);
     const uint8_t* w = data.data_ptr<uint8_t>();
     const int64_t* off = offsets.data_ptr<int64_t>();
-    const bool* fr = four.data_ptr<bool>();
+    TORCH_CHECK(kinds.scalar_type() == torch::kUInt8 && kinds.numel() == T, "kinds must be uint8 [T]");
+    const uint8_t* kind = kinds.data_ptr<uint8_t>();
+    for (int64_t t = 0; t < T; ++t) TORCH_CHECK(kind[t] <= kCompact, "unknown tile kind");
+    const int64_t per_super = super_blocks(nb);
     const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
     const int8_t* xqp = xq.data_ptr<int8_t>();
     const float* dxp = dx.data_ptr<float>();
@@ -168,7 +204,7 @@ torch::Tensor qmatmul(torch::Tensor x, torch::Tensor data, torch::Tensor offsets
                 const int rows = (int)std::min<int64_t>(chunk, M - r0);
                 for (int64_t t = t0; t < t1; ++t) {
                     const int valid = (int)std::min<int64_t>(16, n - 16 * t);
-                    kTile[rows](w + off[t], fr[t], nb, xqp + r0 * K, dxp + r0 * nb, bsp + r0 * nb, K,
+                    kTile[kind[t]][rows](w + off[t], nb, per_super, xqp + r0 * K, dxp + r0 * nb, bsp + r0 * nb, K,
                                 yp + r0 * n + 16 * t, n, valid, bp ? bp + 16 * t : nullptr);
                 }
             }

@@ -12,9 +12,13 @@ Representation: every block of 32 weights of a row is `s * q - m` with unsigned 
     Q6_K, F16, BF16, F32  exactly dequantized, then requantized per block of 32 onto 255 levels
                           (q = round(v / s) + 128 with s = amax / 127): finer than Q6_K's own 64 levels.
 
-A tile holding rows of both widths is stored at 8 bits (a 4-bit q is also a valid 8-bit q). Bytes per weight:
-0.625 at 4 bits, 1.125 at 8 bits (int8 FBGEMM: 1.0 for every tensor, so a Q4_K_M file reads ~25 % fewer
-bytes per token).
+Q4_K rows, and every row a draft model (`native4`) requantizes to 4 bits, go into compact tiles: Q4_K's own
+scale layout, an f16 unit per 8 blocks (256 inputs) and an int8 code per block, s = D * code, m = Dm * code.
+For Q4_K this is exact (D and Dm are its f16 d and dmin, the codes its 6-bit scales and mins).
+
+A tile holds one kind (qgemm.cpp): 8-bit, 4-bit with f16 (s, m) per block, or compact 4-bit; a tile whose
+rows differ takes the widest (a 4-bit q is also a valid 8-bit q). Bytes per weight: 0.5625 compact
+(0.58 with 7 blocks per super-block), 0.625 at 4 bits, 1.125 at 8 bits (int8 FBGEMM: 1.0 for every tensor).
 
 `reference_matmul` is the same arithmetic in plain torch, the oracle the kernel is tested against.
 """
@@ -32,6 +36,9 @@ TILE = 16
 BLOCK = 32
 GROUP_BYTES = 96 * 1024             # weights of a tile group stay in L2 while all row chunks pass over them
 FOUR_BIT = frozenset({T.Q4_0, T.Q4_1, T.Q4_K})
+EIGHT, FOUR, COMPACT = 0, 1, 2      # tile kinds, qgemm.cpp's Kind: a tile of rows of several kinds takes the lowest
+BLOCK_BYTES = {EIGHT: 512 + 4 * TILE, FOUR: 256 + 4 * TILE, COMPACT: 256 + 2 * TILE}   # + per super-block:
+UNIT_BYTES = 4 * TILE               # compact tiles' f16 (D, Dm) per row
 _ROWS = 2048                        # rows converted at a time (a multiple of TILE)
 
 
@@ -57,16 +64,85 @@ def _requantize_affine(v: torch.Tensor, levels: int = 16) -> tuple[torch.Tensor,
     return q, s, -lo
 
 
-def block_codes(raw: torch.Tensor, ggml_type: T, rows: int, cols: int, four_bit: bool = False
+def super_blocks(nb: int) -> int:
+    """Blocks per super-block of a compact tile whose rows hold nb blocks: the largest divisor of nb up to 8
+    (8 for Q4_K, whose super-blocks are 256 inputs; 7 for the 896 inputs of a 0.5B model). qgemm.cpp: same."""
+    g = 8
+    while nb % g:
+        g -= 1
+    return g
+
+
+def row_kind(ggml_type: T, four_bit: bool = False) -> int:
+    """The tile kind rows of this GGUF type get; four_bit: types wider than 4 bits are requantized to compact
+    4-bit (a draft model, where fewer bytes matter more than precision)."""
+    if ggml_type == T.Q4_K or (four_bit and ggml_type not in FOUR_BIT):
+        return COMPACT
+    return FOUR if ggml_type in FOUR_BIT else EIGHT
+
+
+def compact_codes(raw: torch.Tensor, ggml_type: T, rows: int, cols: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GGUF bytes of `rows` rows -> (q uint8 [rows, cols], units float32 [rows, ns, 2] (D, Dm; f16 values),
+    codes int8 [rows, nb, 2] (scale, min)): value = D code_s q - Dm code_m per block, ns super-blocks of
+    super_blocks(nb) blocks. Q4_K maps exactly; other types are requantized to 16 levels (_requantize_compact)."""
+    nb = cols // BLOCK
+    g = super_blocks(nb)
+    if ggml_type == T.Q4_K:
+        b = _blocks(raw, ggml_type)
+        d, dmin, sc, mn = quants.k_scale_codes(b)
+        q = _nibbles(b[:, 16:], 4)
+        units = torch.stack([d, dmin], dim=-1)
+        codes = torch.stack([sc, mn], dim=-1).to(torch.int8)
+    else:
+        v = quants.dequantize(raw, ggml_type, (rows, cols)).view(rows, nb // g, g, BLOCK)
+        q, units, codes = _requantize_compact(v)
+    return q.reshape(rows, cols), units.reshape(rows, nb // g, 2).float(), codes.reshape(rows, nb, 2)
+
+
+def _requantize_compact(v: torch.Tensor, levels: int = 16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float [rows, ns, g, 32] -> affine q in [0, levels), units [rows, ns, 2], codes int8 [rows, ns, g, 2].
+    The block's (s, m) are rounded onto their super-block's int8 grid first, then q is fitted to the rounded
+    pair, so each weight stays within about half a step of its value."""
+    lo, hi = v.amin(dim=-1), v.amax(dim=-1)
+    s, m = (hi - lo) / (levels - 1), -lo
+    unit_s, unit_m = _unit(s.amax(dim=-1)), _unit(m.abs().amax(dim=-1))
+    code_s = _codes(s, unit_s, 0)
+    code_s = torch.where(s > 0, code_s.clamp(min=1), code_s)        # a block with a spread keeps one
+    code_m = _codes(m, unit_m, -127)
+    s2, m2 = unit_s[..., None] * code_s, unit_m[..., None] * code_m
+    inv = torch.where(s2 > 0, 1.0 / s2, torch.zeros_like(s2))
+    q = ((v + m2[..., None]) * inv[..., None]).round_().clamp_(0, levels - 1).to(torch.uint8)
+    return q, torch.stack([unit_s, unit_m], dim=-1), torch.stack([code_s, code_m], dim=-1).to(torch.int8)
+
+
+def _unit(amax: torch.Tensor) -> torch.Tensor:
+    """The smallest f16 value >= amax / 127 (as float32), so no code needs more than 127: rounding to nearest
+    instead clipped the largest blocks of tiny tensors, whose units are f16 subnormals."""
+    u = (amax / 127).half()
+    short = u.float() * 127 < amax
+    return torch.where(short, (u.view(torch.int16) + 1).view(torch.float16), u).float()
+
+
+def _codes(x: torch.Tensor, unit: torch.Tensor, lo: int) -> torch.Tensor:
+    inv = torch.where(unit > 0, 1.0 / unit, torch.zeros_like(unit))
+    return (x * inv[..., None]).round().clamp(lo, 127)
+
+
+def compact_scales(units: torch.Tensor, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """units [rows, ns, 2], codes [rows, nb, 2] -> s, m float32 [rows, nb], exactly as the kernel forms them."""
+    g = codes.shape[1] // units.shape[1]
+    u = units.repeat_interleave(g, dim=1)
+    sm = u * codes.float()
+    return sm[..., 0].contiguous(), sm[..., 1].contiguous()
+
+
+def block_codes(raw: torch.Tensor, ggml_type: T, rows: int, cols: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GGUF bytes of `rows` rows -> (q uint8 [rows, cols], s float32 [rows, cols/32], m float32 [rows, cols/32])
-    with value = s * q - m per block of 32 (see the module doc). four_bit: requantize types wider than 4 bits
-    to 16 affine levels per block (for a draft model, where half the bytes matter more than precision)."""
+    with value = s * q - m per block of 32 (see the module doc)."""
     nb = rows * cols // BLOCK
-    if four_bit and ggml_type not in FOUR_BIT:
-        v = quants.dequantize(raw, ggml_type, (rows, cols)).view(nb, BLOCK)
-        q, s, m = _requantize_affine(v)
-    elif ggml_type == T.Q4_0:
+    if ggml_type == T.Q4_0:
         b = _blocks(raw, ggml_type)
         q, d = _nibbles(b[:, 2:], 1), _half(b, 0)[:, 0]
         s, m = d, d * 8.0
@@ -98,19 +174,24 @@ def block_codes(raw: torch.Tensor, ggml_type: T, rows: int, cols: int, four_bit:
     return q.reshape(rows, cols), s.reshape(rows, -1).float(), m.reshape(rows, -1).float()
 
 
-def _pack_tiles(q: torch.Tensor, s: torch.Tensor, m: torch.Tensor, four: bool) -> torch.Tensor:
-    """Tiles of one width: q [16 t, K], s, m [16 t, K/32] -> uint8 [t, tile bytes] in the kernel's layout."""
+def _pack_tiles(q: torch.Tensor, s: torch.Tensor, m: torch.Tensor, units: torch.Tensor, codes: torch.Tensor,
+                kind: int) -> torch.Tensor:
+    """Tiles of one kind: q [16 t, K], s, m [16 t, K/32] (compact: units [16 t, ns, 2], codes [16 t, K/32, 2])
+    -> uint8 [t, tile bytes] in the kernel's layout."""
     n, k = q.shape
     t, nb = n // TILE, k // BLOCK
     g = q.view(t, TILE, nb, 8, 4).permute(0, 2, 3, 1, 4)            # [t, nb, group, row, 4]
-    if four:
-        data = g[:, :, :4] | (g[:, :, 4:] << 4)                        # [t, nb, 4, 16, 4]
-    else:
-        data = g
+    data = (g[:, :, :4] | (g[:, :, 4:] << 4)) if kind != EIGHT else g
     data = data.reshape(t, nb, -1)
-    sm = torch.stack([s.half().view(t, TILE, nb), m.half().view(t, TILE, nb)], dim=2)   # [t, 16, 2, nb]
-    sm = sm.permute(0, 3, 2, 1).contiguous().view(torch.uint8).view(t, nb, 4 * TILE)
-    return torch.cat([data, sm], dim=2).reshape(t, -1)
+    if kind != COMPACT:
+        sm = torch.stack([s.half().view(t, TILE, nb), m.half().view(t, TILE, nb)], dim=2)   # [t, 16, 2, nb]
+        sm = sm.permute(0, 3, 2, 1).contiguous().view(torch.uint8).view(t, nb, 4 * TILE)
+        return torch.cat([data, sm], dim=2).reshape(t, -1)
+    ns = units.shape[1]
+    cs = codes.view(t, TILE, nb, 2).permute(0, 2, 3, 1).contiguous().view(torch.uint8)     # [t, nb, 2, 16]
+    blocks = torch.cat([data, cs.view(t, nb, 2 * TILE)], dim=2).view(t, ns, -1)
+    us = units.half().view(t, TILE, ns, 2).permute(0, 2, 3, 1).contiguous().view(torch.uint8)  # [t, ns, 2, 32]
+    return torch.cat([us.view(t, ns, UNIT_BYTES), blocks], dim=2).reshape(t, -1)
 
 
 class PackedMatrix:
@@ -120,106 +201,130 @@ class PackedMatrix:
         if cols % BLOCK:
             raise ValueError(f"a row of {cols} values is not a multiple of {BLOCK}")
         self.cols = cols
-        self.parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]] = []
+        self.nb = cols // BLOCK
+        self.ns = self.nb // super_blocks(self.nb)
+        self.parts: list[tuple] = []
         self.rows = 0
 
-    def add(self, q: torch.Tensor, s: torch.Tensor, m: torch.Tensor, four: bool) -> None:
-        self.parts.append((q, s, m, four))
+    def add(self, q: torch.Tensor, s: torch.Tensor, m: torch.Tensor, kind: int) -> None:
+        """Rows given as (q, s, m) per block, for 8-bit or 4-bit tiles."""
+        if kind == COMPACT:
+            raise ValueError("compact rows come with their codes: add_compact")
+        rows = q.shape[0]
+        self.parts.append((q, s, m, torch.zeros(rows, self.ns, 2), torch.zeros(rows, self.nb, 2, dtype=torch.int8),
+                           kind))
+        self.rows += rows
+
+    def add_compact(self, q: torch.Tensor, units: torch.Tensor, codes: torch.Tensor) -> None:
+        """Rows with compact scales (compact_codes); in a tile shared with other kinds they use s and m."""
+        s, m = compact_scales(units, codes)
+        self.parts.append((q, s, m, units, codes, COMPACT))
         self.rows += q.shape[0]
 
     def pack(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """-> (data uint8, offsets int64 [t + 1], four bool [t]). A tile is 4-bit when all its rows are."""
-        q = torch.cat([p[0] for p in self.parts])
-        s = torch.cat([p[1] for p in self.parts])
-        m = torch.cat([p[2] for p in self.parts])
-        four = _tile_widths([(p[0].shape[0], p[3]) for p in self.parts])
+        """-> (data uint8, offsets int64 [t + 1], kinds uint8 [t]). A tile takes the lowest kind of its rows."""
+        q, s, m, units, codes = (torch.cat([p[i] for p in self.parts]) for i in range(5))
+        kinds = _tile_kinds([(p[0].shape[0], p[5]) for p in self.parts])
         self.parts = []
         pad = -q.shape[0] % TILE
         if pad:
-            q = torch.cat([q, q.new_zeros(pad, q.shape[1])])
-            s = torch.cat([s, s.new_zeros(pad, s.shape[1])])
-            m = torch.cat([m, m.new_zeros(pad, m.shape[1])])
+            q, s, m, units, codes = (torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) for x in (q, s, m, units, codes))
         blobs, t0 = [], 0
-        flags = four.tolist()
-        while t0 < len(flags):                         # runs of tiles of one width
+        flags = kinds.tolist()
+        while t0 < len(flags):                         # runs of tiles of one kind
             t1 = t0
             while t1 < len(flags) and flags[t1] == flags[t0]:
                 t1 += 1
             r0, r1 = t0 * TILE, t1 * TILE
-            blobs.append(_pack_tiles(q[r0:r1], s[r0:r1], m[r0:r1], flags[t0]).reshape(-1))
+            blobs.append(_pack_tiles(q[r0:r1], s[r0:r1], m[r0:r1], units[r0:r1], codes[r0:r1], flags[t0]).reshape(-1))
             t0 = t1
         sizes = torch.tensor([_tile_bytes(self.cols, f) for f in flags], dtype=torch.int64)
         offsets = torch.zeros(len(flags) + 1, dtype=torch.int64)
         torch.cumsum(sizes, 0, out=offsets[1:])
-        return torch.cat(blobs), offsets, four
+        return torch.cat(blobs), offsets, kinds
 
 
-def _tile_widths(parts: list[tuple[int, bool]]) -> torch.Tensor:
-    """Row blocks [(rows, four)] -> bool per tile of 16 rows: 4-bit when all its rows are (padding rows are)."""
-    row_four = torch.cat([torch.full((rows,), four) for rows, four in parts])
-    row_four = torch.cat([row_four, torch.ones(-row_four.numel() % TILE, dtype=torch.bool)])
-    return row_four.view(-1, TILE).all(dim=1)
+def _tile_kinds(parts: list[tuple[int, int]]) -> torch.Tensor:
+    """Row blocks [(rows, kind)] -> uint8 kind per tile of 16 rows: the lowest of its rows' (padding: any)."""
+    row_kind = torch.cat([torch.full((rows,), kind, dtype=torch.uint8) for rows, kind in parts])
+    row_kind = torch.cat([row_kind, torch.full((-row_kind.numel() % TILE,), COMPACT, dtype=torch.uint8)])
+    return row_kind.view(-1, TILE).amin(dim=1)
 
 
-def _tile_bytes(cols: int, four: bool) -> int:
-    return cols // BLOCK * ((256 if four else 512) + 4 * TILE)
+def _tile_bytes(cols: int, kind: int) -> int:
+    nb = cols // BLOCK
+    return nb * BLOCK_BYTES[kind] + (nb // super_blocks(nb) * UNIT_BYTES if kind == COMPACT else 0)
 
 
-def packed_bytes(parts: list[tuple[int, bool]], cols: int) -> int:
-    """Bytes PackedMatrix.pack will produce for row blocks [(rows, four)] of width cols (for `jllm plan`)."""
-    return sum(_tile_bytes(cols, four) for four in _tile_widths(parts).tolist())
+def packed_bytes(parts: list[tuple[int, int]], cols: int) -> int:
+    """Bytes PackedMatrix.pack will produce for row blocks [(rows, kind)] of width cols (for `jllm plan`)."""
+    return sum(_tile_bytes(cols, kind) for kind in _tile_kinds(parts).tolist())
 
 
 def pack_gguf_rows(matrix: PackedMatrix, raw: np.ndarray | torch.Tensor, ggml_type: T, rows: int,
                    four_bit: bool = False) -> None:
-    """Append the rows of one GGUF matrix (raw bytes) to `matrix`, converting _ROWS rows at a time."""
+    """Append the rows of one GGUF matrix (raw bytes) to `matrix`, converting _ROWS rows at a time; four_bit:
+    requantize wider types to compact 4-bit (row_kind)."""
     data = quants._as_bytes(raw)
     cols = matrix.cols
     row_bytes = data.numel() // rows
-    four = four_bit or ggml_type in FOUR_BIT
+    kind = row_kind(ggml_type, four_bit)
     for r0 in range(0, rows, _ROWS):
         r1 = min(rows, r0 + _ROWS)
-        q, s, m = block_codes(data[r0 * row_bytes:r1 * row_bytes], ggml_type, r1 - r0, cols, four_bit)
-        matrix.add(q, s, m, four)
+        part = data[r0 * row_bytes:r1 * row_bytes]
+        if kind == COMPACT:
+            matrix.add_compact(*compact_codes(part, ggml_type, r1 - r0, cols))
+        else:
+            matrix.add(*block_codes(part, ggml_type, r1 - r0, cols), kind)
 
 
 class QLinear:
     """y = x @ W.T (+ b) on the native kernel."""
 
-    def __init__(self, data: torch.Tensor, offsets: torch.Tensor, four: torch.Tensor, out_features: int,
+    def __init__(self, data: torch.Tensor, offsets: torch.Tensor, kinds: torch.Tensor, out_features: int,
                  in_features: int, bias: torch.Tensor | None = None):
         from jllm.kernels import qgemm
 
         self._op = qgemm().qmatmul
-        self.data, self.offsets, self.four = data, offsets, four
+        self.data, self.offsets, self.kinds = data, offsets, kinds
         self.out_features, self.in_features = out_features, in_features
         self.bias = bias if bias is not None else torch.empty(0)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self._op(x, self.data, self.offsets, self.four, self.out_features, self.bias, GROUP_BYTES)
+        return self._op(x, self.data, self.offsets, self.kinds, self.out_features, self.bias, GROUP_BYTES)
 
     def nbytes(self) -> int:
         return self.data.numel()
 
 
-def unpack(data: torch.Tensor, offsets: torch.Tensor, four: torch.Tensor, n: int, k: int
+def unpack(data: torch.Tensor, offsets: torch.Tensor, kinds: torch.Tensor, n: int, k: int
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inverse of PackedMatrix.pack -> (q uint8 [n, k], s, m float32 [n, k/32]); for tests and the oracle."""
     nb = k // BLOCK
+    ns = nb // super_blocks(nb)
     qs, ss, ms = [], [], []
-    for t in range(four.numel()):
-        tile = data[offsets[t]:offsets[t + 1]].view(nb, -1)
-        f = bool(four[t])
-        body = tile[:, :256 if f else 512]
-        if f:
-            b = body.view(nb, 4, TILE, 4)
+    for t in range(kinds.numel()):
+        tile = data[offsets[t]:offsets[t + 1]]
+        kind = int(kinds[t])
+        if kind == COMPACT:
+            supers = tile.view(ns, -1)
+            units = supers[:, :UNIT_BYTES].contiguous().view(torch.float16).view(ns, 2, TILE).float()
+            blocks = supers[:, UNIT_BYTES:].reshape(nb, -1)
+            codes = blocks[:, 256:].contiguous().view(torch.int8).view(nb, 2, TILE)
+            s, m = compact_scales(units.permute(2, 0, 1), codes.permute(2, 0, 1))
+            ss.append(s)
+            ms.append(m)
+        else:
+            blocks = tile.view(nb, -1)
+            sm = blocks[:, -4 * TILE:].contiguous().view(torch.float16).view(nb, 2, TILE).float()
+            ss.append(sm[:, 0].T)
+            ms.append(sm[:, 1].T)
+        if kind != EIGHT:
+            b = blocks[:, :256].reshape(nb, 4, TILE, 4)
             g = torch.cat([b & 0x0F, b >> 4], dim=1)                       # [nb, 8, 16, 4]
         else:
-            g = body.view(nb, 8, TILE, 4)
+            g = blocks[:, :512].reshape(nb, 8, TILE, 4)
         qs.append(g.permute(2, 0, 1, 3).reshape(TILE, k))
-        sm = tile[:, -4 * TILE:].contiguous().view(torch.float16).view(nb, 2, TILE).float()
-        ss.append(sm[:, 0].T)
-        ms.append(sm[:, 1].T)
     return torch.cat(qs)[:n], torch.cat(ss)[:n], torch.cat(ms)[:n]
 
 

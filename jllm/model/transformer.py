@@ -74,7 +74,7 @@ class Transformer:
             norms = [L.attn_norm, L.q_norm, L.k_norm, L.post_attn_norm, L.ffn_norm, L.post_ffn_norm]
             cos, sin = self.rope_local if c.is_sliding(i) else self.rope_global
             stack.add_layer([none if n is None else n for n in norms],
-                            [t for m in mats[i] for t in (m.data, m.offsets, m.four, m.bias)],
+                            [t for m in mats[i] for t in (m.data, m.offsets, m.kinds, m.bias)],
                             [m.out_features for m in mats[i]], cos, sin,
                             c.sliding_window if c.is_sliding(i) else 0)
         return stack

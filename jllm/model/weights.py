@@ -197,9 +197,9 @@ class _Builder:
         cols = infos[0].shape[1]
         if self.reader is not None and key + ":data" in self.reader.tensors:
             data = self.reader.get(key + ":data", self.pages.empty)
-            offsets, four = (self.reader.get(key + part) for part in (":offsets", ":four"))
+            offsets, kinds = (self.reader.get(key + part) for part in (":offsets", ":kinds"))
             rows = int(self.reader.get(key + ":rows")[0])
-            return QLinear(data, offsets, four, rows, cols, bias)
+            return QLinear(data, offsets, kinds, rows, cols, bias)
         matrix = PackedMatrix(cols)
         for info in infos:
             rows = min(max_rows, info.shape[0]) if max_rows else info.shape[0]
@@ -207,13 +207,13 @@ class _Builder:
             pack_gguf_rows(matrix, raw, info.ggml_type, rows, four_bit=self.precision == "native4")
             self.gguf.release(info.name)
         rows = matrix.rows
-        data, offsets, four = matrix.pack()
+        data, offsets, kinds = matrix.pack()
         data = self.pages.adopt(data)
         if self.writer is not None:
-            for part, t in ((":data", data), (":offsets", offsets), (":four", four),
+            for part, t in ((":data", data), (":offsets", offsets), (":kinds", kinds),
                             (":rows", torch.tensor([rows], dtype=torch.int64))):
                 self.writer.add(key + part, t)
-        return QLinear(data, offsets, four, rows, cols, bias)
+        return QLinear(data, offsets, kinds, rows, cols, bias)
 
     def _matrix_info(self, name: str):
         if not self.has(name):
