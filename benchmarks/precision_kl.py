@@ -2,11 +2,6 @@
 token, and how often the top-1 token equals exact's. Teacher-forced over one context, in chunks.
 
     python benchmarks/precision_kl.py [-m MODEL] [--text FILE] [--tokens N] [precisions ...]
-    python benchmarks/precision_kl.py native --six-bit     # also: native with Q6_K etc. on 64 levels
-
---six-bit answers "what would 6-bit tiles cost in accuracy" before building them: it adds a `native` load
-whose requantized tensors (Q6_K, floats) get 64 affine levels per block of 32 instead of 255 (still stored
-in 8-bit tiles, so only the accuracy is simulated, not the bytes), converted into a scratch directory.
 """
 
 from __future__ import annotations
@@ -39,7 +34,6 @@ def main() -> None:
     ap.add_argument("-m", "--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--text", default=str(DEFAULT_TEXT))
     ap.add_argument("--tokens", type=int, default=1024)
-    ap.add_argument("--six-bit", action="store_true", help="add native with 64-level requantization (see above)")
     a = ap.parse_args()
     path = resolve(a.model)
     exact = load_model(path, "cpu", "exact", max_positions=a.tokens)
@@ -55,28 +49,11 @@ def main() -> None:
     rows = [("exact", ref)]
     for p in a.precisions:
         rows.append((p, log_probs(load_model(path, "cpu", p, max_positions=a.tokens), ids)))
-    if a.six_bit:
-        rows.append(("native-6b", _six_bit_log_probs(path, ids, a.tokens)))
     for name, lp in rows:
         ppl = math.exp(-lp.gather(1, targets[:, None]).mean().item())
         kl = (ref.exp() * (ref - lp)).sum(-1).mean().item()
         top1 = (lp.argmax(-1) == ref.argmax(-1)).float().mean().item()
         print(f"{name:<10} {ppl:>10.3f} {kl:>12.4f} {top1:>13.1%}")
-
-
-def _six_bit_log_probs(path, ids: list[int], tokens: int) -> torch.Tensor:
-    import functools
-    import os
-    import tempfile
-    from unittest import mock
-
-    from jllm.model import qlinear
-
-    with tempfile.TemporaryDirectory() as scratch, \
-            mock.patch.dict(os.environ, {"JLLM_CONVERTED_DIR": scratch}), \
-            mock.patch.object(qlinear, "_requantize", functools.partial(qlinear._requantize_affine, levels=64)):
-        # scratch: these tiles must never land in the real converted cache
-        return log_probs(load_model(path, "cpu", "native", max_positions=tokens), ids)
 
 
 if __name__ == "__main__":

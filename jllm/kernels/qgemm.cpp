@@ -13,6 +13,10 @@
 //             units Dm, and each of its blocks holds the 4 x 64 bytes of weights, then 16 x int8 scale
 //             codes and 16 x int8 min codes: s = D * code, m = Dm * code (exact in f32). 288 + 64 / g
 //             bytes a block instead of 320: 7.5 % fewer bytes to read per token.
+//     6-bit   q in 0..63 (Q6_K, requantized per block of 32): a compact 4-bit block's nibbles, then two
+//             64-byte planes of the 2 high bits (plane 0 for the low-nibble registers, plane 1 for the high
+//             ones; bits 2j, 2j+1 of a byte belong to register j), then the int8 codes; super-blocks as
+//             compact. 416 + 64 / g bytes a block instead of 576.
 // One `vpdpbusd` multiplies a register of weights with four activation bytes broadcast to all 16 rows.
 //
 // Activations: each row of x is quantized on its own, per block of 32, to int8 in [-127, 127] with scale
@@ -69,54 +73,84 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, 
     }
 }
 
-enum Kind { kEight = 0, kFour = 1, kCompact = 2 };
+enum Kind { kEight = 0, kFour = 1, kCompact = 2, kSix = 3 };
+
+// The 2 high bits of register j's bytes (bits 2j, 2j+1 of each plane byte) moved to bits 4 and 5; the other
+// bits are garbage for the caller to mask. 16-bit shifts: what crosses a byte boundary lands outside 4-5.
+template <int J>
+inline __m512i high_bits(__m512i plane) {
+    if constexpr (J == 0) return _mm512_slli_epi16(plane, 4);
+    else if constexpr (J == 1) return _mm512_slli_epi16(plane, 2);
+    else if constexpr (J == 2) return plane;
+    else return _mm512_srli_epi16(plane, 2);
+}
+
+// Register J of a block's nibbles: its low nibbles (inputs 4J .. 4J+3) and high nibbles (4(J+4) ..) as bytes,
+// with the 2 high bits of 6-bit tiles put in place, each multiplied with its four activation bytes per row.
+template <int J, int R, bool SIX>
+inline void nibbles(const uint8_t* p, __m512i plane0, __m512i plane1, const int32_t* const* xb, __m512i* ia) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512i v = _mm512_loadu_si512(p + 64 * J);
+    __m512i lo = _mm512_and_si512(v, low);
+#ifdef JLLM_GFNI
+    // each byte's high nibble moved down by one affine bit-matrix op (GF(2)) instead of shift and mask.
+    // Draft-sized matrices, one row: 10.6-11.4 -> 9.6-10.4 ms; five rows 15-19 -> 13-15 ms (three
+    // interleaved rounds; the target's runs were within noise)
+    __m512i hi = _mm512_gf2p8affine_epi64_epi8(v, _mm512_set1_epi64(0x1020408000000000LL), 0);
+#else
+    __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+#endif
+    if constexpr (SIX) {                    // x | (bits & 0x30): one ternary-logic op per register
+        const __m512i top = _mm512_set1_epi8(0x30);
+        lo = _mm512_ternarylogic_epi32(lo, high_bits<J>(plane0), top, 0xF8);
+        hi = _mm512_ternarylogic_epi32(hi, high_bits<J>(plane1), top, 0xF8);
+    }
+    for (int r = 0; r < R; ++r) {
+        ia[r] = _mm512_dpbusd_epi32(ia[r], lo, _mm512_set1_epi32(xb[r][J]));
+        ia[r] = _mm512_dpbusd_epi32(ia[r], hi, _mm512_set1_epi32(xb[r][J + 4]));
+    }
+}
 
 template <int R, int KIND>
-inline void tile_rows(const uint8_t* w, int64_t nb, int64_t g, const int8_t* xq, const float* dx,
+inline void tile_rows(const uint8_t* w, int64_t nb, int64_t per_super, const int8_t* xq, const float* dx,
                       const float* bsx, int64_t K, float* y, int64_t ldy, int valid, const float* bias) {
-    constexpr bool four = KIND != kEight;
+    constexpr bool four = KIND != kEight;           // nibble registers (4-bit, compact and 6-bit tiles)
+    constexpr bool units = KIND == kCompact || KIND == kSix;
+    constexpr int lines = KIND == kEight ? 9 : KIND == kSix ? 7 : 5;   // cache lines of a block
     __m512 acc[R];
     __m512 unit_s = _mm512_setzero_ps(), unit_m = _mm512_setzero_ps();     // compact: the super-block's D, Dm
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    const __m512i low = _mm512_set1_epi8(0x0F);
     const uint8_t* p = w;
     for (int64_t b = 0, in_super = 0; b < nb; ++b) {
-        if (KIND == kCompact && in_super-- == 0) {
+        if (units && in_super-- == 0) {
             unit_s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
             unit_m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p + 32)));
             p += 64;
-            in_super = g - 1;
+            in_super = per_super - 1;
         }
         __m512i ia[R];
         for (int r = 0; r < R; ++r) ia[r] = _mm512_setzero_si512();
         // Ask for the weights a few blocks ahead, so memory streams while this block computes.
-        for (int l = 0; l < (four ? 5 : 9); ++l) _mm_prefetch((const char*)p + kPrefetch + 64 * l, _MM_HINT_T0);
+        for (int l = 0; l < lines; ++l) _mm_prefetch((const char*)p + kPrefetch + 64 * l, _MM_HINT_T0);
         // With several rows the compute per block is long enough to starve the memory stream: also ask for
         // weights much further ahead, into L2 (verify passes: M = 5 went from 1.24-1.49x of M = 1 to
         // 1.14-1.20x, benchmarks/kernel_stream.py). One row gains nothing from it and keeps the issue slots.
         if (R > 1)
-            for (int l = 0; l < (four ? 5 : 9); ++l)
+            for (int l = 0; l < lines; ++l)
                 _mm_prefetch((const char*)p + kPrefetchL2 + 64 * l, _MM_HINT_T1);
         const int32_t* xb[R];
         for (int r = 0; r < R; ++r) xb[r] = (const int32_t*)(xq + r * K + b * 32);
         if constexpr (four) {
-            for (int j = 0; j < 4; ++j) {
-                __m512i v = _mm512_loadu_si512(p + 64 * j);
-                __m512i lo = _mm512_and_si512(v, low);
-#ifdef JLLM_GFNI
-                // each byte's high nibble moved down by one affine bit-matrix op (GF(2)) instead of shift
-                // and mask. Draft-sized matrices, one row: 10.6-11.4 -> 9.6-10.4 ms; five rows 15-19 ->
-                // 13-15 ms (three interleaved rounds; the target's runs were within noise)
-                __m512i hi = _mm512_gf2p8affine_epi64_epi8(v, _mm512_set1_epi64(0x1020408000000000LL), 0);
-#else
-                __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-#endif
-                for (int r = 0; r < R; ++r) {
-                    ia[r] = _mm512_dpbusd_epi32(ia[r], lo, _mm512_set1_epi32(xb[r][j]));
-                    ia[r] = _mm512_dpbusd_epi32(ia[r], hi, _mm512_set1_epi32(xb[r][j + 4]));
-                }
+            __m512i plane0 = _mm512_setzero_si512(), plane1 = _mm512_setzero_si512();
+            if constexpr (KIND == kSix) {
+                plane0 = _mm512_loadu_si512(p + 256);
+                plane1 = _mm512_loadu_si512(p + 320);
             }
-            p += 256;
+            nibbles<0, R, KIND == kSix>(p, plane0, plane1, xb, ia);
+            nibbles<1, R, KIND == kSix>(p, plane0, plane1, xb, ia);
+            nibbles<2, R, KIND == kSix>(p, plane0, plane1, xb, ia);
+            nibbles<3, R, KIND == kSix>(p, plane0, plane1, xb, ia);
+            p += KIND == kSix ? 384 : 256;
         } else {
             for (int g = 0; g < 8; ++g) {
                 __m512i v = _mm512_loadu_si512(p + 64 * g);
@@ -126,7 +160,7 @@ inline void tile_rows(const uint8_t* w, int64_t nb, int64_t g, const int8_t* xq,
             p += 512;
         }
         __m512 sc, mn;
-        if constexpr (KIND == kCompact) {
+        if constexpr (units) {
             sc = _mm512_mul_ps(unit_s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))));
             mn = _mm512_mul_ps(unit_m, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 16)))));
             p += 32;
@@ -153,7 +187,7 @@ constexpr TileFn kByRows[kMaxRows + 1] = {nullptr, tile_rows<1, KIND>, tile_rows
                                         tile_rows<4, KIND>, tile_rows<5, KIND>, tile_rows<6, KIND>,
                                         tile_rows<7, KIND>, tile_rows<8, KIND>, tile_rows<9, KIND>,
                                         tile_rows<10, KIND>};
-constexpr const TileFn* kTile[3] = {kByRows<kEight>, kByRows<kFour>, kByRows<kCompact>};
+constexpr const TileFn* kTile[4] = {kByRows<kEight>, kByRows<kFour>, kByRows<kCompact>, kByRows<kSix>};
 
 // Blocks per super-block of a compact tile: the largest divisor of the row's block count up to 8 (8 for
 // Q4_K rows, whose super-blocks are 256 inputs). qlinear.super_blocks is the same rule.
@@ -185,7 +219,7 @@ torch::Tensor qmatmul(torch::Tensor x, torch::Tensor data, torch::Tensor offsets
     const int64_t* off = offsets.data_ptr<int64_t>();
     TORCH_CHECK(kinds.scalar_type() == torch::kUInt8 && kinds.numel() == T, "kinds must be uint8 [T]");
     const uint8_t* kind = kinds.data_ptr<uint8_t>();
-    for (int64_t t = 0; t < T; ++t) TORCH_CHECK(kind[t] <= kCompact, "unknown tile kind");
+    for (int64_t t = 0; t < T; ++t) TORCH_CHECK(kind[t] <= kSix, "unknown tile kind");
     const int64_t per_super = super_blocks(nb);
     const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
     const int8_t* xqp = xq.data_ptr<int8_t>();

@@ -36,9 +36,11 @@ TILE = 16
 BLOCK = 32
 GROUP_BYTES = 96 * 1024             # weights of a tile group stay in L2 while all row chunks pass over them
 FOUR_BIT = frozenset({T.Q4_0, T.Q4_1, T.Q4_K})
-EIGHT, FOUR, COMPACT = 0, 1, 2      # tile kinds, qgemm.cpp's Kind: a tile of rows of several kinds takes the lowest
-BLOCK_BYTES = {EIGHT: 512 + 4 * TILE, FOUR: 256 + 4 * TILE, COMPACT: 256 + 2 * TILE}   # + per super-block:
-UNIT_BYTES = 4 * TILE               # compact tiles' f16 (D, Dm) per row
+EIGHT, FOUR, COMPACT, SIX = 0, 1, 2, 3       # tile kinds (qgemm.cpp's Kind); see _tile_kind for mixed tiles
+BLOCK_BYTES = {EIGHT: 512 + 4 * TILE, FOUR: 256 + 4 * TILE, COMPACT: 256 + 2 * TILE, SIX: 384 + 2 * TILE}
+UNIT_BYTES = 4 * TILE               # + per super-block of COMPACT and SIX tiles: f16 (D, Dm) per row
+WITH_UNITS = (COMPACT, SIX)
+LEVELS = {COMPACT: 16, SIX: 64}
 _ROWS = 2048                        # rows converted at a time (a multiple of TILE)
 
 
@@ -55,15 +57,6 @@ def _requantize(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return q, s, s * 128.0
 
 
-def _requantize_affine(v: torch.Tensor, levels: int = 16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """float [nb, 32] -> affine q in [0, levels), s, m (value = s q - m, m = -min)."""
-    lo, hi = v.amin(dim=1), v.amax(dim=1)
-    s = (hi - lo) / (levels - 1)
-    inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
-    q = ((v - lo[:, None]) * inv[:, None]).round_().clamp_(0, levels - 1).to(torch.uint8)
-    return q, s, -lo
-
-
 def super_blocks(nb: int) -> int:
     """Blocks per super-block of a compact tile whose rows hold nb blocks: the largest divisor of nb up to 8
     (8 for Q4_K, whose super-blocks are 256 inputs; 7 for the 896 inputs of a 0.5B model). qgemm.cpp: same."""
@@ -74,21 +67,26 @@ def super_blocks(nb: int) -> int:
 
 
 def row_kind(ggml_type: T, four_bit: bool = False) -> int:
-    """The tile kind rows of this GGUF type get; four_bit: types wider than 4 bits are requantized to compact
-    4-bit (a draft model, where fewer bytes matter more than precision)."""
+    """The tile kind rows of this GGUF type get. Q6_K is requantized onto 64 levels per block (6-bit tiles,
+    0.83 bytes a weight against 1.125 at 8 bits; KL to exact 0.0013 against 0.0005, BENCHMARKS.md). four_bit:
+    types wider than 4 bits are requantized to compact 4-bit (a draft model, where fewer bytes matter more
+    than precision)."""
     if ggml_type == T.Q4_K or (four_bit and ggml_type not in FOUR_BIT):
         return COMPACT
+    if ggml_type == T.Q6_K:
+        return SIX
     return FOUR if ggml_type in FOUR_BIT else EIGHT
 
 
-def compact_codes(raw: torch.Tensor, ggml_type: T, rows: int, cols: int
+def compact_codes(raw: torch.Tensor, ggml_type: T, rows: int, cols: int, kind: int = COMPACT
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GGUF bytes of `rows` rows -> (q uint8 [rows, cols], units float32 [rows, ns, 2] (D, Dm; f16 values),
     codes int8 [rows, nb, 2] (scale, min)): value = D code_s q - Dm code_m per block, ns super-blocks of
-    super_blocks(nb) blocks. Q4_K maps exactly; other types are requantized to 16 levels (_requantize_compact)."""
+    super_blocks(nb) blocks, q below LEVELS[kind]. Q4_K maps exactly onto COMPACT; everything else is
+    requantized (_requantize_compact)."""
     nb = cols // BLOCK
     g = super_blocks(nb)
-    if ggml_type == T.Q4_K:
+    if ggml_type == T.Q4_K and kind == COMPACT:
         b = _blocks(raw, ggml_type)
         d, dmin, sc, mn = quants.k_scale_codes(b)
         q = _nibbles(b[:, 16:], 4)
@@ -96,21 +94,22 @@ def compact_codes(raw: torch.Tensor, ggml_type: T, rows: int, cols: int
         codes = torch.stack([sc, mn], dim=-1).to(torch.int8)
     else:
         v = quants.dequantize(raw, ggml_type, (rows, cols)).view(rows, nb // g, g, BLOCK)
-        q, units, codes = _requantize_compact(v)
+        q, units, codes = _requantize_compact(v, LEVELS[kind])
     return q.reshape(rows, cols), units.reshape(rows, nb // g, 2).float(), codes.reshape(rows, nb, 2)
 
 
 def _requantize_compact(v: torch.Tensor, levels: int = 16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """float [rows, ns, g, 32] -> affine q in [0, levels), units [rows, ns, 2], codes int8 [rows, ns, g, 2].
-    The block's (s, m) are rounded onto their super-block's int8 grid first, then q is fitted to the rounded
-    pair, so each weight stays within about half a step of its value."""
+    The block's (s, m) are rounded up onto their super-block's int8 grid, m first and then s so that the grid
+    -m .. -m + (levels - 1) s still spans the block; q is fitted to the rounded pair, so every weight is
+    within half a step of its value."""
     lo, hi = v.amin(dim=-1), v.amax(dim=-1)
-    s, m = (hi - lo) / (levels - 1), -lo
-    unit_s, unit_m = _unit(s.amax(dim=-1)), _unit(m.abs().amax(dim=-1))
-    code_s = _codes(s, unit_s, 0)
-    code_s = torch.where(s > 0, code_s.clamp(min=1), code_s)        # a block with a spread keeps one
-    code_m = _codes(m, unit_m, -127)
-    s2, m2 = unit_s[..., None] * code_s, unit_m[..., None] * code_m
+    unit_m = _unit((-lo).abs().amax(dim=-1))
+    code_m = _codes(-lo, unit_m)
+    m2 = unit_m[..., None] * code_m                                 # >= -lo: the grid starts at or below lo
+    unit_s = _unit(((hi + m2) / (levels - 1)).amax(dim=-1))
+    code_s = _codes((hi + m2) / (levels - 1), unit_s)               # and reaches hi
+    s2 = unit_s[..., None] * code_s
     inv = torch.where(s2 > 0, 1.0 / s2, torch.zeros_like(s2))
     q = ((v + m2[..., None]) * inv[..., None]).round_().clamp_(0, levels - 1).to(torch.uint8)
     return q, torch.stack([unit_s, unit_m], dim=-1), torch.stack([code_s, code_m], dim=-1).to(torch.int8)
@@ -124,9 +123,11 @@ def _unit(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(short, (u.view(torch.int16) + 1).view(torch.float16), u).float()
 
 
-def _codes(x: torch.Tensor, unit: torch.Tensor, lo: int) -> torch.Tensor:
+def _codes(x: torch.Tensor, unit: torch.Tensor) -> torch.Tensor:
+    """x / unit rounded up (x = unit * code >= x), in [-127, 127] since unit >= max |x| / 127."""
     inv = torch.where(unit > 0, 1.0 / unit, torch.zeros_like(unit))
-    return (x * inv[..., None]).round().clamp(lo, 127)
+    code = (x * inv[..., None]).ceil()
+    return torch.where(unit[..., None] * code < x, code + 1, code).clamp(-127, 127)
 
 
 def compact_scales(units: torch.Tensor, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,14 +177,22 @@ def block_codes(raw: torch.Tensor, ggml_type: T, rows: int, cols: int
 
 def _pack_tiles(q: torch.Tensor, s: torch.Tensor, m: torch.Tensor, units: torch.Tensor, codes: torch.Tensor,
                 kind: int) -> torch.Tensor:
-    """Tiles of one kind: q [16 t, K], s, m [16 t, K/32] (compact: units [16 t, ns, 2], codes [16 t, K/32, 2])
-    -> uint8 [t, tile bytes] in the kernel's layout."""
+    """Tiles of one kind: q [16 t, K], s, m [16 t, K/32] (COMPACT, SIX: units [16 t, ns, 2], codes
+    [16 t, K/32, 2]) -> uint8 [t, tile bytes] in the kernel's layout (qgemm.cpp)."""
     n, k = q.shape
     t, nb = n // TILE, k // BLOCK
     g = q.view(t, TILE, nb, 8, 4).permute(0, 2, 3, 1, 4)            # [t, nb, group, row, 4]
-    data = (g[:, :, :4] | (g[:, :, 4:] << 4)) if kind != EIGHT else g
-    data = data.reshape(t, nb, -1)
-    if kind != COMPACT:
+    if kind == EIGHT:
+        data = g.reshape(t, nb, -1)
+    else:
+        lo = g & 0x0F
+        data = (lo[:, :, :4] | (lo[:, :, 4:] << 4)).reshape(t, nb, -1)
+        if kind == SIX:                                               # + 2 planes of the 2 high bits
+            hb = g >> 4
+            planes = [hb[:, :, i] | (hb[:, :, i + 1] << 2) | (hb[:, :, i + 2] << 4) | (hb[:, :, i + 3] << 6)
+                      for i in (0, 4)]
+            data = torch.cat([data] + [p.reshape(t, nb, -1) for p in planes], dim=2)
+    if kind not in WITH_UNITS:
         sm = torch.stack([s.half().view(t, TILE, nb), m.half().view(t, TILE, nb)], dim=2)   # [t, 16, 2, nb]
         sm = sm.permute(0, 3, 2, 1).contiguous().view(torch.uint8).view(t, nb, 4 * TILE)
         return torch.cat([data, sm], dim=2).reshape(t, -1)
@@ -215,14 +224,15 @@ class PackedMatrix:
                            kind))
         self.rows += rows
 
-    def add_compact(self, q: torch.Tensor, units: torch.Tensor, codes: torch.Tensor) -> None:
-        """Rows with compact scales (compact_codes); in a tile shared with other kinds they use s and m."""
+    def add_compact(self, q: torch.Tensor, units: torch.Tensor, codes: torch.Tensor, kind: int = COMPACT) -> None:
+        """Rows with compact scales (compact_codes), for COMPACT or SIX tiles; in a tile of another kind they
+        use s and m."""
         s, m = compact_scales(units, codes)
-        self.parts.append((q, s, m, units, codes, COMPACT))
+        self.parts.append((q, s, m, units, codes, kind))
         self.rows += q.shape[0]
 
     def pack(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """-> (data uint8, offsets int64 [t + 1], kinds uint8 [t]). A tile takes the lowest kind of its rows."""
+        """-> (data uint8, offsets int64 [t + 1], kinds uint8 [t]) (_tile_kind: the kind of a tile)."""
         q, s, m, units, codes = (torch.cat([p[i] for p in self.parts]) for i in range(5))
         kinds = _tile_kinds([(p[0].shape[0], p[5]) for p in self.parts])
         self.parts = []
@@ -244,16 +254,28 @@ class PackedMatrix:
         return torch.cat(blobs), offsets, kinds
 
 
+def _tile_kind(kinds: set[int]) -> int:
+    """The kind of a tile whose rows have these kinds: theirs if one, else the narrowest that holds every
+    row's q and has its scales (4-bit q fit 6-bit and 8-bit tiles; FOUR rows have no compact codes)."""
+    if len(kinds) == 1:
+        return next(iter(kinds))
+    if kinds <= {FOUR, COMPACT}:
+        return FOUR
+    if kinds <= {SIX, COMPACT}:
+        return SIX
+    return EIGHT
+
+
 def _tile_kinds(parts: list[tuple[int, int]]) -> torch.Tensor:
-    """Row blocks [(rows, kind)] -> uint8 kind per tile of 16 rows: the lowest of its rows' (padding: any)."""
-    row_kind = torch.cat([torch.full((rows,), kind, dtype=torch.uint8) for rows, kind in parts])
-    row_kind = torch.cat([row_kind, torch.full((-row_kind.numel() % TILE,), COMPACT, dtype=torch.uint8)])
-    return row_kind.view(-1, TILE).amin(dim=1)
+    """Row blocks [(rows, kind)] -> uint8 kind per tile of 16 rows (padding rows take any)."""
+    row_kind = [kind for rows, kind in parts for _ in range(rows)]
+    return torch.tensor([_tile_kind(set(row_kind[i:i + TILE])) for i in range(0, len(row_kind), TILE)],
+                        dtype=torch.uint8)
 
 
 def _tile_bytes(cols: int, kind: int) -> int:
     nb = cols // BLOCK
-    return nb * BLOCK_BYTES[kind] + (nb // super_blocks(nb) * UNIT_BYTES if kind == COMPACT else 0)
+    return nb * BLOCK_BYTES[kind] + (nb // super_blocks(nb) * UNIT_BYTES if kind in WITH_UNITS else 0)
 
 
 def packed_bytes(parts: list[tuple[int, int]], cols: int) -> int:
@@ -272,8 +294,8 @@ def pack_gguf_rows(matrix: PackedMatrix, raw: np.ndarray | torch.Tensor, ggml_ty
     for r0 in range(0, rows, _ROWS):
         r1 = min(rows, r0 + _ROWS)
         part = data[r0 * row_bytes:r1 * row_bytes]
-        if kind == COMPACT:
-            matrix.add_compact(*compact_codes(part, ggml_type, r1 - r0, cols))
+        if kind in WITH_UNITS:
+            matrix.add_compact(*compact_codes(part, ggml_type, r1 - r0, cols, kind), kind)
         else:
             matrix.add(*block_codes(part, ggml_type, r1 - r0, cols), kind)
 
@@ -306,11 +328,11 @@ def unpack(data: torch.Tensor, offsets: torch.Tensor, kinds: torch.Tensor, n: in
     for t in range(kinds.numel()):
         tile = data[offsets[t]:offsets[t + 1]]
         kind = int(kinds[t])
-        if kind == COMPACT:
+        if kind in WITH_UNITS:
             supers = tile.view(ns, -1)
             units = supers[:, :UNIT_BYTES].contiguous().view(torch.float16).view(ns, 2, TILE).float()
             blocks = supers[:, UNIT_BYTES:].reshape(nb, -1)
-            codes = blocks[:, 256:].contiguous().view(torch.int8).view(nb, 2, TILE)
+            codes = blocks[:, -2 * TILE:].contiguous().view(torch.int8).view(nb, 2, TILE)
             s, m = compact_scales(units.permute(2, 0, 1), codes.permute(2, 0, 1))
             ss.append(s)
             ms.append(m)
@@ -322,6 +344,10 @@ def unpack(data: torch.Tensor, offsets: torch.Tensor, kinds: torch.Tensor, n: in
         if kind != EIGHT:
             b = blocks[:, :256].reshape(nb, 4, TILE, 4)
             g = torch.cat([b & 0x0F, b >> 4], dim=1)                       # [nb, 8, 16, 4]
+            if kind == SIX:
+                planes = blocks[:, 256:384].reshape(nb, 2, 1, TILE, 4)
+                hb = torch.cat([(planes >> (2 * i)) & 3 for i in range(4)], dim=2)   # [nb, 2, 4, 16, 4]
+                g = g | (hb.reshape(nb, 8, TILE, 4) << 4)
         else:
             g = blocks[:, :512].reshape(nb, 8, TILE, 4)
         qs.append(g.permute(2, 0, 1, 3).reshape(TILE, k))
