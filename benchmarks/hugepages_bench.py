@@ -8,16 +8,12 @@ M = 1 and M = 5 rows, the two copies interleaved, medians. The engine loads weig
 
 from __future__ import annotations
 
-import statistics
-import time
-
-import torch
-
 from jllm.model.hugepages import resident_huge_bytes
 from jllm.model.loader import load_model
 from jllm.model.qlinear import QLinear
 from jllm.spec import DRAFT_VOCAB
 from jllm.store import resolve
+from matrix_sets import interleaved
 
 
 def main() -> None:
@@ -28,26 +24,11 @@ def main() -> None:
     print(f"on huge pages after loading: {resident_huge_bytes() / 2**20:.0f} MB")
 
     def ordinary(ms):
-        return [QLinear(x.data.clone(), x.offsets, x.four, x.out_features, x.in_features) for x in ms]
+        return [QLinear(x.data.clone(), x.offsets, x.kinds, x.out_features, x.in_features) for x in ms]
 
     sets = {"draft huge": draft.w.matrices(), "draft 4k": ordinary(draft.w.matrices()),
             "target huge": target.w.matrices(), "target 4k": ordinary(target.w.matrices())}
-    xs: dict = {}
-
-    def run(ms, M):
-        t = time.perf_counter()
-        for m in ms:
-            m(xs.setdefault((M, m.in_features), torch.randn(M, m.in_features)))
-        return time.perf_counter() - t
-
-    print(f"{'M':>2} " + " ".join(f"{k:>12}" for k in sets) + "   (ms, medians of 15)")
-    for M in (1, 5):
-        times = {k: [] for k in sets}
-        for _ in range(15):
-            for k, ms in sets.items():
-                times[k].append(run(ms, M))
-        print(f"{M:>2} " + " ".join(f"{statistics.median(v) * 1000:>12.2f}" for v in times.values()), flush=True)
-
+    interleaved(sets, rows=(1, 5))
 
 if __name__ == "__main__":
     main()

@@ -11,15 +11,12 @@ decode step and a typical verify pass), medians.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-
-import torch
 
 from jllm.model import qlinear as ql
 from jllm.model.loader import load_model
 from jllm.spec import DRAFT_VOCAB
 from jllm.store import resolve
+from matrix_sets import interleaved
 
 
 OLD = {ql.COMPACT: ql.FOUR, ql.SIX: ql.EIGHT}
@@ -60,22 +57,7 @@ def main() -> None:
         sets[f"{name} old"] = [old_format_copy(m) for m in mats]
     for k, ms in sets.items():
         print(f"{k:<12} {sum(m.nbytes() for m in ms) / 1e6:8.1f} MB")
-    xs: dict = {}
-
-    def run(ms, M):
-        t = time.perf_counter()
-        for m in ms:
-            m(xs.setdefault((M, m.in_features), torch.randn(M, m.in_features)))
-        return time.perf_counter() - t
-
-    print(f"{'M':>2} " + " ".join(f"{k:>12}" for k in sets) + f"   (ms, medians of {a.rounds})")
-    for M in (1, 3):
-        times = {k: [] for k in sets}
-        for _ in range(a.rounds):
-            for k, ms in sets.items():
-                times[k].append(run(ms, M))
-        print(f"{M:>2} " + " ".join(f"{statistics.median(v) * 1000:>12.2f}" for v in times.values()), flush=True)
-
+    interleaved(sets, rows=(1, 3), rounds=a.rounds)
 
 if __name__ == "__main__":
     main()

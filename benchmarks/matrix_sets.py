@@ -1,0 +1,28 @@
+"""Shared by the weight-format benchmarks: run sets of QLinear matrices (every matrix of a step) for M rows,
+the sets interleaved round by round so the host's memory phases fall on all of them alike; print medians."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+
+def interleaved(sets: dict, rows=(1, 3), rounds: int = 15) -> None:
+    """sets: label -> list of QLinear. Prints one line per M: median ms of a pass over each set."""
+    xs: dict = {}
+
+    def run(ms, M):
+        t = time.perf_counter()
+        for m in ms:
+            m(xs.setdefault((M, m.in_features), torch.randn(M, m.in_features)))
+        return time.perf_counter() - t
+
+    print(f"{'M':>2} " + " ".join(f"{k:>12}" for k in sets) + f"   (ms, medians of {rounds})")
+    for M in rows:
+        times = {k: [] for k in sets}
+        for _ in range(rounds):
+            for k, ms in sets.items():
+                times[k].append(run(ms, M))
+        print(f"{M:>2} " + " ".join(f"{statistics.median(v) * 1000:>12.2f}" for v in times.values()), flush=True)
