@@ -25,6 +25,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=10)
     a = ap.parse_args()
     model = load_model(resolve(a.model), "cpu", a.precision, output_rows=a.output_rows)
+    model.stack = None            # the Python layer loop: the same kernels as the native stack, each call timed
     spent = collections.defaultdict(float)
 
     def timed(fn, key):

@@ -2,7 +2,7 @@
 //
 // Weights (made by jllm/model/qlinear.py): tiles of 16 output rows; a tile is a sequence of blocks of 32
 // inputs, each holding 16 x 32 unsigned integer weights q with one (scale s, min m) pair per output row,
-// the value being s * q - m. A tile is of one of three kinds:
+// the value being s * q - m. A tile is of one of four kinds:
 //     8-bit   q in 0..255: per block 8 x 64 bytes (register g holds bytes o*4 + i = q[o][4g + i]),
 //             then 16 x f16 scales, 16 x f16 mins.
 //     4-bit   q in 0..15, two values per byte: per block 4 x 64 bytes (register j holds, for each of the 16

@@ -109,10 +109,24 @@ class ConvertedWriter:
         except BaseException:
             self.abort()
             raise
+        remove_old_versions(self.path.parent)
 
     def abort(self) -> None:
         self.f.close()
         self.tmp.unlink(missing_ok=True)
+
+
+def remove_old_versions(directory: Path) -> None:
+    """Delete converted files of other format versions: their keys can never match again, and each holds a
+    model's weights (~1 GB for the 1.5B)."""
+    for path in directory.glob("*.jllmw"):
+        try:
+            with open(path, "rb") as f:
+                magic = f.read(8)
+            if magic[:6] == MAGIC[:6] and magic != MAGIC:
+                path.unlink()
+        except OSError:
+            pass                                  # another process's file, gone or unreadable: leave it
 
 
 def open_converted(gguf_path: Path, precision: str) -> tuple[ConvertedReader | None, Path]:

@@ -1,24 +1,28 @@
 """Block-quantized linear layers for the native CPU kernel (jllm/kernels/qgemm.cpp): the GGUF's own low-bit
 weights, read at their own width, with int8 activations quantized per row and per block of 32.
 
-Representation: every block of 32 weights of a row is `s * q - m` with unsigned integers q and one f16
-(scale s, min m) pair. Tiles of 16 rows are 4-bit (q < 16) or 8-bit. From the GGUF types:
+Representation: every block of 32 weights of a row is `s * q - m` with unsigned integers q and a (scale s,
+min m) pair. Tiles of 16 rows hold one kind (qgemm.cpp has the byte layouts):
 
-    Q4_0  q = nibble, s = d, m = 8 d              (4-bit, exact up to the f16 rounding of s and m)
-    Q4_1  q = nibble, s = d, m = -min             (4-bit)
-    Q4_K  q = nibble, s = d * scale, m = dmin * min   (4-bit)
-    Q5_0 / Q5_1 / Q5_K   the same with 5-bit q    (8-bit tiles)
-    Q8_0  q = int8 + 128, s = d, m = 128 d        (8-bit)
-    Q6_K, F16, BF16, F32  exactly dequantized, then requantized per block of 32 onto 255 levels
-                          (q = round(v / s) + 128 with s = amax / 127): finer than Q6_K's own 64 levels.
+    kind      q         (s, m) stored as                                     bytes a weight
+    8-bit     < 256     f16 per block                                        1.125
+    4-bit     < 16      f16 per block                                        0.625
+    compact   < 16      f16 units per super-block of g blocks, int8 codes    0.578 (g = 8), 0.580 (g = 7)
+    6-bit     < 64      as compact                                           0.828 (g = 8)
 
-Q4_K rows, and every row a draft model (`native4`) requantizes to 4 bits, go into compact tiles: Q4_K's own
-scale layout, an f16 unit per 8 blocks (256 inputs) and an int8 code per block, s = D * code, m = Dm * code.
-For Q4_K this is exact (D and Dm are its f16 d and dmin, the codes its 6-bit scales and mins).
+From the GGUF types (row_kind):
 
-A tile holds one kind (qgemm.cpp): 8-bit, 4-bit with f16 (s, m) per block, or compact 4-bit; a tile whose
-rows differ takes the widest (a 4-bit q is also a valid 8-bit q). Bytes per weight: 0.5625 compact
-(0.58 with 7 blocks per super-block), 0.625 at 4 bits, 1.125 at 8 bits (int8 FBGEMM: 1.0 for every tensor).
+    Q4_K  compact, exactly: units its f16 d and dmin, codes its 6-bit scales and mins
+    Q4_0  4-bit: q = nibble, s = d, m = 8 d        (exact up to the f16 rounding of s and m)
+    Q4_1  4-bit: q = nibble, s = d, m = -min
+    Q6_K  6-bit: dequantized, requantized per block onto 64 affine levels (_requantize_compact: its scales are
+          per 16 inputs and do not fit blocks of 32)
+    Q5_0 / Q5_1 / Q5_K   8-bit, exactly: 5-bit q, s = d (* scale), m = 16 d or -min (dmin * min)
+    Q8_0  8-bit: q = int8 + 128, s = d, m = 128 d
+    F16, BF16, F32  8-bit: requantized per block onto 255 levels (q = round(v / s) + 128, s = amax / 127)
+    with four_bit (a draft model, `native4`): everything but Q4_0/Q4_1 compact, requantized onto 16 levels
+
+A tile whose rows differ takes the narrowest kind that holds every row's q and scales (_tile_kind).
 
 `reference_matmul` is the same arithmetic in plain torch, the oracle the kernel is tested against.
 """
@@ -29,6 +33,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
+from jllm.errors import JllmError
 from jllm.gguf import quants
 from jllm.gguf.quants import _fifth_bits, _half, _k_scales, _nibbles
 
@@ -59,7 +64,9 @@ def _requantize(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 
 def super_blocks(nb: int) -> int:
     """Blocks per super-block of a compact tile whose rows hold nb blocks: the largest divisor of nb up to 8
-    (8 for Q4_K, whose super-blocks are 256 inputs; 7 for the 896 inputs of a 0.5B model). qgemm.cpp: same."""
+    (8 for Q4_K, whose super-blocks are 256 inputs; 7 for the 896 inputs of a 0.5B model). qgemm.cpp: same.
+    A prime block count would give 1, and a compact block would then take 352 bytes, more than a 4-bit one's
+    320; no model in use has one (5 to 8 here)."""
     g = 8
     while nb % g:
         g -= 1
@@ -68,7 +75,7 @@ def super_blocks(nb: int) -> int:
 
 def row_kind(ggml_type: T, four_bit: bool = False) -> int:
     """The tile kind rows of this GGUF type get. Q6_K is requantized onto 64 levels per block (6-bit tiles,
-    0.83 bytes a weight against 1.125 at 8 bits; KL to exact 0.0013 against 0.0005, BENCHMARKS.md). four_bit:
+    0.83 bytes a weight against 1.125 at 8 bits; the 1.5B's KL to exact 0.0015 against 0.0005, BENCHMARKS.md). four_bit:
     types wider than 4 bits are requantized to compact 4-bit (a draft model, where fewer bytes matter more
     than precision)."""
     if ggml_type == T.Q4_K or (four_bit and ggml_type not in FOUR_BIT):
@@ -120,7 +127,10 @@ def _unit(amax: torch.Tensor) -> torch.Tensor:
     instead clipped the largest blocks of tiny tensors, whose units are f16 subnormals."""
     u = (amax / 127).half()
     short = u.float() * 127 < amax
-    return torch.where(short, (u.view(torch.int16) + 1).view(torch.float16), u).float()
+    u = torch.where(short, (u.view(torch.int16) + 1).view(torch.float16), u).float()
+    if not torch.isfinite(u).all():
+        raise JllmError(f"weights up to {float(amax.max()):.3g} are beyond f16 scale units")
+    return u
 
 
 def _codes(x: torch.Tensor, unit: torch.Tensor) -> torch.Tensor:
@@ -140,8 +150,8 @@ def compact_scales(units: torch.Tensor, codes: torch.Tensor) -> tuple[torch.Tens
 
 def block_codes(raw: torch.Tensor, ggml_type: T, rows: int, cols: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """GGUF bytes of `rows` rows -> (q uint8 [rows, cols], s float32 [rows, cols/32], m float32 [rows, cols/32])
-    with value = s * q - m per block of 32 (see the module doc)."""
+    """GGUF bytes of `rows` rows of a type held in 8-bit or 4-bit tiles -> (q uint8 [rows, cols], s float32
+    [rows, cols/32], m float32 [rows, cols/32]) with value = s * q - m per block of 32 (see the module doc)."""
     nb = rows * cols // BLOCK
     if ggml_type == T.Q4_0:
         b = _blocks(raw, ggml_type)
@@ -164,12 +174,14 @@ def block_codes(raw: torch.Tensor, ggml_type: T, rows: int, cols: int
         q = (b[:, 2:].view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
         d = _half(b, 0)[:, 0]
         s, m = d, d * 128.0
-    elif ggml_type in (T.Q4_K, T.Q5_K):
+    elif ggml_type == T.Q5_K:
         b = _blocks(raw, ggml_type)
         ds, dm = _k_scales(b)
-        q = _nibbles(b[:, 16:], 4) if ggml_type == T.Q4_K else quants.q5_k_codes(b)
+        q = quants.q5_k_codes(b)
         s, m = ds.reshape(-1), dm.reshape(-1)
-    else:                                             # Q6_K and plain floats: requantize
+    elif ggml_type in (T.Q4_K, T.Q6_K):
+        raise ValueError(f"{ggml_type.name} rows go into compact or 6-bit tiles: compact_codes")
+    else:                                             # plain floats: requantize
         v = quants.dequantize(raw, ggml_type, (rows, cols)).view(nb, BLOCK)
         q, s, m = _requantize(v)
     return q.reshape(rows, cols), s.reshape(rows, -1).float(), m.reshape(rows, -1).float()
@@ -217,8 +229,9 @@ class PackedMatrix:
 
     def add(self, q: torch.Tensor, s: torch.Tensor, m: torch.Tensor, kind: int) -> None:
         """Rows given as (q, s, m) per block, for 8-bit or 4-bit tiles."""
-        if kind == COMPACT:
-            raise ValueError("compact rows come with their codes: add_compact")
+        if kind in WITH_UNITS:
+            raise ValueError("compact and 6-bit rows come with their codes: add_compact")
+        _check_levels(q, kind)
         rows = q.shape[0]
         self.parts.append((q, s, m, torch.zeros(rows, self.ns, 2), torch.zeros(rows, self.nb, 2, dtype=torch.int8),
                            kind))
@@ -227,6 +240,9 @@ class PackedMatrix:
     def add_compact(self, q: torch.Tensor, units: torch.Tensor, codes: torch.Tensor, kind: int = COMPACT) -> None:
         """Rows with compact scales (compact_codes), for COMPACT or SIX tiles; in a tile of another kind they
         use s and m."""
+        if kind not in WITH_UNITS:
+            raise ValueError("add_compact takes compact or 6-bit rows")
+        _check_levels(q, kind)
         s, m = compact_scales(units, codes)
         self.parts.append((q, s, m, units, codes, kind))
         self.rows += q.shape[0]
@@ -252,6 +268,12 @@ class PackedMatrix:
         offsets = torch.zeros(len(flags) + 1, dtype=torch.int64)
         torch.cumsum(sizes, 0, out=offsets[1:])
         return torch.cat(blobs), offsets, kinds
+
+
+def _check_levels(q: torch.Tensor, kind: int) -> None:
+    top = {EIGHT: 256, FOUR: 16, COMPACT: 16, SIX: 64}[kind]
+    if q.numel() and int(q.max()) >= top:
+        raise ValueError(f"q reaches {int(q.max())}, beyond the {top} levels of tile kind {kind}")
 
 
 def _tile_kind(kinds: set[int]) -> int:

@@ -26,9 +26,9 @@ from jllm.model.linear import DenseLinear, Int8Linear, int8_supported, quantize_
 from jllm.model.qlinear import PackedMatrix, QLinear, pack_gguf_rows
 
 # exact: f32 dequantized weights, f32 activations (the oracle path, 4 bytes per weight)
-# native: the GGUF's own 4-bit and 8-bit blocks, int8 activations per block of 32, on jllm's AVX-512 VNNI
-#         kernel (model/qlinear.py; the CPU default where it builds: 0.625 bytes per 4-bit weight;
-#         0.0005 nats KL from exact on the 1.5B)
+# native: the GGUF's own 4-bit blocks (Q4_K exactly, 0.58 bytes a weight), Q6_K on 6-bit tiles, other wide
+#         types on 8-bit ones; int8 activations per block of 32, on jllm's AVX-512 VNNI kernel
+#         (model/qlinear.py; the CPU default where it builds; 0.0015 nats KL from exact on the 1.5B)
 # native4: native with every wider type requantized to 4 bits (the draft model's default: fewer bytes)
 # int8: int8 weights on FBGEMM, two-pass int8 activations (the CPU fallback; 0.0018 nats KL from exact)
 # int8-fast: int8 weights, one-pass int8 activations (half the GEMM rows: faster prefill and verify,
