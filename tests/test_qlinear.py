@@ -13,7 +13,7 @@ from jllm.model import qlinear as ql
 
 pytestmark = pytest.mark.skipif(qgemm() is None, reason="native kernels unavailable on this machine")
 
-EXACT_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q5_K, T.Q8_0]     # Q4_K: test_q4_k_maps_exactly_...
+EXACT_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]     # Q4_K, Q5_K: test_k_quants_map_exactly_...
 REQUANT_TYPES = [T.F16, T.BF16, T.F32]                                 # Q6_K: test_compact_requantization_...
 
 
@@ -144,13 +144,16 @@ def test_compact_tiles_read_fewer_bytes():
     assert ql.super_blocks(896 // 32) == 7 and ql.super_blocks(8960 // 32) == 8 and ql.super_blocks(3) == 3
 
 
-def test_q4_k_maps_exactly_onto_compact_codes():
+@pytest.mark.parametrize("ggml_type, kind", [(T.Q4_K, C), (T.Q5_K, S)], ids=["Q4_K", "Q5_K"])
+def test_k_quants_map_exactly_onto_compact_codes(ggml_type, kind):
     rows, cols = 24, 512
-    raw, _ = gguf_bytes(T.Q4_K, rows, cols)
-    q, units, codes = ql.compact_codes(torch.from_numpy(raw), T.Q4_K, rows, cols)
+    raw, _ = gguf_bytes(ggml_type, rows, cols)
+    assert ql.row_kind(ggml_type) == kind
+    q, units, codes = ql.compact_codes(torch.from_numpy(raw), ggml_type, rows, cols, kind)
+    assert int(q.max()) < ql.LEVELS[kind]
     s, m = ql.compact_scales(units, codes)
     value = (q.view(rows, -1, 32).float() * s[..., None] - m[..., None]).view(rows, cols)
-    assert torch.equal(value, quants.dequantize(raw, T.Q4_K, (rows, cols)))     # the same float32 ops
+    assert torch.equal(value, quants.dequantize(raw, ggml_type, (rows, cols)))     # the same float32 ops
 
 
 def affine_per_block(v, levels):

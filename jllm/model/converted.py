@@ -1,10 +1,10 @@
 """Converted-weights cache: the int8 matrices and scales made from one GGUF file, so later loads skip
 dequantization and requantization.
 
-File format, version 4 (3 had no 6-bit tiles, 2 no compact 4-bit tiles) (`<models cache>/converted/<key>.jllmw`):
-    8 bytes   magic b"JLLMW\\x00\\x04\\x00"
+File format, version 5 (4 held Q5_K at 8 bits, 3 had no 6-bit tiles, 2 no compact 4-bit tiles) (`<models cache>/converted/<key>.jllmw`):
+    8 bytes   magic b"JLLMW\\x00\\x05\\x00"
     data      raw little-endian tensor bytes, each at its offset from the start of the data section (byte 8)
-    H bytes   JSON: {"version": 4, "source": {...}, "tensors": {name: [dtype, shape, offset, nbytes]}}
+    H bytes   JSON: {"version": 5, "source": {...}, "tensors": {name: [dtype, shape, offset, nbytes]}}
     8 bytes   little-endian uint64: H
 The index sits at the end so tensors stream straight into the file as they are converted; a file is written
 as `<key>.partial`, fsynced and renamed, so a reader never sees a half-written one.
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-MAGIC = b"JLLMW\x00\x04\x00"
-VERSION = 4
+MAGIC = b"JLLMW\x00\x05\x00"
+VERSION = 5
 _DTYPES = {"int8": torch.int8, "float32": torch.float32, "uint8": torch.uint8, "int64": torch.int64,
            "bool": torch.bool}
 

@@ -13,11 +13,12 @@ min m) pair. Tiles of 16 rows hold one kind (qgemm.cpp has the byte layouts):
 From the GGUF types (row_kind):
 
     Q4_K  compact, exactly: units its f16 d and dmin, codes its 6-bit scales and mins
+    Q5_K  6-bit, exactly, the same way
     Q4_0  4-bit: q = nibble, s = d, m = 8 d        (exact up to the f16 rounding of s and m)
     Q4_1  4-bit: q = nibble, s = d, m = -min
     Q6_K  6-bit: dequantized, requantized per block onto 64 affine levels (_requantize_compact: its scales are
           per 16 inputs and do not fit blocks of 32)
-    Q5_0 / Q5_1 / Q5_K   8-bit, exactly: 5-bit q, s = d (* scale), m = 16 d or -min (dmin * min)
+    Q5_0 / Q5_1   8-bit, exactly: 5-bit q, s = d, m = 16 d or -min
     Q8_0  8-bit: q = int8 + 128, s = d, m = 128 d
     F16, BF16, F32  8-bit: requantized per block onto 255 levels (q = round(v / s) + 128, s = amax / 127)
     with four_bit (a draft model, `native4`): everything but Q4_0/Q4_1 compact, requantized onto 16 levels
@@ -35,7 +36,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from jllm.errors import JllmError
 from jllm.gguf import quants
-from jllm.gguf.quants import _fifth_bits, _half, _k_scales, _nibbles
+from jllm.gguf.quants import _fifth_bits, _half, _nibbles
 
 TILE = 16
 BLOCK = 32
@@ -80,7 +81,7 @@ def row_kind(ggml_type: T, four_bit: bool = False) -> int:
     than precision)."""
     if ggml_type == T.Q4_K or (four_bit and ggml_type not in FOUR_BIT):
         return COMPACT
-    if ggml_type == T.Q6_K:
+    if ggml_type in (T.Q5_K, T.Q6_K):
         return SIX
     return FOUR if ggml_type in FOUR_BIT else EIGHT
 
@@ -89,14 +90,14 @@ def compact_codes(raw: torch.Tensor, ggml_type: T, rows: int, cols: int, kind: i
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GGUF bytes of `rows` rows -> (q uint8 [rows, cols], units float32 [rows, ns, 2] (D, Dm; f16 values),
     codes int8 [rows, nb, 2] (scale, min)): value = D code_s q - Dm code_m per block, ns super-blocks of
-    super_blocks(nb) blocks, q below LEVELS[kind]. Q4_K maps exactly onto COMPACT; everything else is
-    requantized (_requantize_compact)."""
+    super_blocks(nb) blocks, q below LEVELS[kind]. Q4_K maps exactly onto COMPACT and Q5_K onto SIX (the
+    same scale layout with 5-bit q); everything else is requantized (_requantize_compact)."""
     nb = cols // BLOCK
     g = super_blocks(nb)
-    if ggml_type == T.Q4_K and kind == COMPACT:
+    if (ggml_type, kind) in ((T.Q4_K, COMPACT), (T.Q5_K, SIX)):
         b = _blocks(raw, ggml_type)
         d, dmin, sc, mn = quants.k_scale_codes(b)
-        q = _nibbles(b[:, 16:], 4)
+        q = _nibbles(b[:, 16:], 4) if ggml_type == T.Q4_K else quants.q5_k_codes(b)
         units = torch.stack([d, dmin], dim=-1)
         codes = torch.stack([sc, mn], dim=-1).to(torch.int8)
     else:
@@ -174,12 +175,7 @@ def block_codes(raw: torch.Tensor, ggml_type: T, rows: int, cols: int
         q = (b[:, 2:].view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
         d = _half(b, 0)[:, 0]
         s, m = d, d * 128.0
-    elif ggml_type == T.Q5_K:
-        b = _blocks(raw, ggml_type)
-        ds, dm = _k_scales(b)
-        q = quants.q5_k_codes(b)
-        s, m = ds.reshape(-1), dm.reshape(-1)
-    elif ggml_type in (T.Q4_K, T.Q6_K):
+    elif ggml_type in (T.Q4_K, T.Q5_K, T.Q6_K):
         raise ValueError(f"{ggml_type.name} rows go into compact or 6-bit tiles: compact_codes")
     else:                                             # plain floats: requantize
         v = quants.dequantize(raw, ggml_type, (rows, cols)).view(nb, BLOCK)
