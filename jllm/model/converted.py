@@ -118,7 +118,8 @@ class ConvertedWriter:
 
 def remove_old_versions(directory: Path) -> None:
     """Delete converted files of other format versions: their keys can never match again, and each holds a
-    model's weights (~1 GB for the 1.5B)."""
+    model's weights (~1 GB for the 1.5B). (Two jllm versions sharing one directory would each convert again
+    after the other ran; JLLM_CONVERTED_DIR separates them.)"""
     for path in directory.glob("*.jllmw"):
         try:
             with open(path, "rb") as f:
