@@ -24,12 +24,11 @@ OLD = {ql.COMPACT: ql.FOUR, ql.SIX: ql.EIGHT}
 
 def old_format_copy(lin: ql.QLinear) -> ql.QLinear:
     """The same weights with compact tiles stored as 4-bit tiles with f16 (s, m) per block, 6-bit as 8-bit."""
-    kinds = lin.kinds.clone()
-    if not any(int(k) in OLD for k in kinds):
+    if not any(int(k) in OLD for k in lin.kinds):
         return lin
     q, s, m = ql.unpack(lin.data, lin.offsets, lin.kinds, lin.out_features, lin.in_features)
     matrix = ql.PackedMatrix(lin.in_features)
-    row_kind = kinds.repeat_interleave(ql.TILE)[:lin.out_features]
+    row_kind = lin.kinds.repeat_interleave(ql.TILE)[:lin.out_features]
     r0 = 0
     while r0 < lin.out_features:                      # runs of rows of one kind, in their old kind
         r1 = r0

@@ -79,7 +79,7 @@ def random_parts(rng, sizes, cols):
     parts = []
     nb = cols // 32
     for rows, kind in sizes:
-        q = torch.randint(0, {E: 256, S: 64}.get(kind, 16), (rows, cols), dtype=torch.uint8, generator=rng)
+        q = torch.randint(0, ql.LEVELS[kind], (rows, cols), dtype=torch.uint8, generator=rng)
         if kind in ql.WITH_UNITS:
             units = (torch.rand(rows, nb // ql.super_blocks(nb), 2, generator=rng) * 1e-3).half().float()
             codes = torch.randint(-127, 128, (rows, nb, 2), dtype=torch.int8, generator=rng)

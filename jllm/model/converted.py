@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-MAGIC = b"JLLMW\x00\x05\x00"
 VERSION = 5
+MAGIC = b"JLLMW\x00" + bytes([VERSION, 0])
 _DTYPES = {"int8": torch.int8, "float32": torch.float32, "uint8": torch.uint8, "int64": torch.int64,
            "bool": torch.bool}
 

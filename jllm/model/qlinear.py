@@ -46,7 +46,7 @@ EIGHT, FOUR, COMPACT, SIX = 0, 1, 2, 3       # tile kinds (qgemm.cpp's Kind); se
 BLOCK_BYTES = {EIGHT: 512 + 4 * TILE, FOUR: 256 + 4 * TILE, COMPACT: 256 + 2 * TILE, SIX: 384 + 2 * TILE}
 UNIT_BYTES = 4 * TILE               # + per super-block of COMPACT and SIX tiles: f16 (D, Dm) per row
 WITH_UNITS = (COMPACT, SIX)
-LEVELS = {COMPACT: 16, SIX: 64}
+LEVELS = {EIGHT: 256, FOUR: 16, COMPACT: 16, SIX: 64}     # q < LEVELS[kind]
 _ROWS = 2048                        # rows converted at a time (a multiple of TILE)
 
 
@@ -115,8 +115,9 @@ def _requantize_compact(v: torch.Tensor, levels: int = 16) -> tuple[torch.Tensor
     unit_m = _unit((-lo).abs().amax(dim=-1))
     code_m = _codes(-lo, unit_m)
     m2 = unit_m[..., None] * code_m                                 # >= -lo: the grid starts at or below lo
-    unit_s = _unit(((hi + m2) / (levels - 1)).amax(dim=-1))
-    code_s = _codes((hi + m2) / (levels - 1), unit_s)               # and reaches hi
+    s = (hi + m2) / (levels - 1)                                    # the step that reaches hi from -m2
+    unit_s = _unit(s.amax(dim=-1))
+    code_s = _codes(s, unit_s)
     s2 = unit_s[..., None] * code_s
     inv = torch.where(s2 > 0, 1.0 / s2, torch.zeros_like(s2))
     q = ((v + m2[..., None]) * inv[..., None]).round_().clamp_(0, levels - 1).to(torch.uint8)
@@ -267,7 +268,7 @@ class PackedMatrix:
 
 
 def _check_levels(q: torch.Tensor, kind: int) -> None:
-    top = {EIGHT: 256, FOUR: 16, COMPACT: 16, SIX: 64}[kind]
+    top = LEVELS[kind]
     if q.numel() and int(q.max()) >= top:
         raise ValueError(f"q reaches {int(q.max())}, beyond the {top} levels of tile kind {kind}")
 
