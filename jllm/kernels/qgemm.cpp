@@ -49,6 +49,12 @@ constexpr int kPrefetch = JLLM_PREFETCH;   // bytes ahead of the block being com
 #endif
 constexpr int kPrefetchL2 = JLLM_PREFETCH_L2;   // and into L2, when several rows are computed
 
+#ifdef JLLM_GFNI
+constexpr bool kGfni = true;      // GFNI unpacks nibbles for one row (nibbles() says why not for more)
+#else
+constexpr bool kGfni = false;
+#endif
+
 inline float hmax(__m512 v) { return _mm512_reduce_max_ps(v); }
 
 // x: [M, K] f32 -> xq [M, K] int8, dx [M, K/32], bsx [M, K/32]
@@ -92,14 +98,17 @@ inline void nibbles(const uint8_t* p, __m512i plane0, __m512i plane1, const int3
     const __m512i low = _mm512_set1_epi8(0x0F);
     __m512i v = _mm512_loadu_si512(p + 64 * J);
     __m512i lo = _mm512_and_si512(v, low);
-#ifdef JLLM_GFNI
-    // each byte's high nibble moved down by one affine bit-matrix op (GF(2)) instead of shift and mask.
-    // Draft-sized matrices, one row: 10.6-11.4 -> 9.6-10.4 ms; five rows 15-19 -> 13-15 ms (three
-    // interleaved rounds; the target's runs were within noise)
-    __m512i hi = _mm512_gf2p8affine_epi64_epi8(v, _mm512_set1_epi64(0x1020408000000000LL), 0);
-#else
-    __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-#endif
+    __m512i hi;
+    if constexpr (kGfni && R == 1) {
+        // one row: each byte's high nibble moved down by one affine bit-matrix op (GF(2)) instead of shift
+        // and mask, one instruction fewer (draft-sized matrices: 10.6-11.4 -> 9.6-10.4 ms). With more rows
+        // the multiplies are the limit, and on Zen 4 the affine op takes a cycle of the multiply pipes
+        // where shift and mask go elsewhere: target matrices, 5 rows, 21.60 -> 20.22 ms in cache and
+        // 44.07 -> 42.55 ms from memory, the draft's 14.10 -> 13.77 (11 interleaved rounds).
+        hi = _mm512_gf2p8affine_epi64_epi8(v, _mm512_set1_epi64(0x1020408000000000LL), 0);
+    } else {
+        hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    }
     if constexpr (SIX) {                    // x | (bits & 0x30): one ternary-logic op per register
         const __m512i top = _mm512_set1_epi8(0x30);
         lo = _mm512_ternarylogic_epi32(lo, high_bits<J>(plane0), top, 0xF8);
