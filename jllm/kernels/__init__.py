@@ -43,8 +43,8 @@ def _cpu_has_vnni() -> bool:
 
 def _flags() -> list[str]:
     """Compiler flags for this CPU: with GFNI (Ice Lake, Zen 4 and later; not Cascade Lake) the 4-bit
-    unpacking of one activation row takes one instruction fewer per register (qgemm.cpp). JLLM_NO_GFNI=1 builds the other path (the
-    tests check that both give the same bits)."""
+    unpacking of one activation row takes one instruction fewer per register (qgemm.cpp). JLLM_NO_GFNI=1
+    builds the other path (the tests check that both give the same bits)."""
     gfni = "gfni" in _cpu_flags() and not os.environ.get("JLLM_NO_GFNI")
     return _FLAGS + (["-mgfni", "-DJLLM_GFNI"] if gfni else [])
 
