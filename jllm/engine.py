@@ -99,12 +99,14 @@ class Engine:
         if kv_store_dir is not None:
             from jllm.cache.store import KVStore, model_fingerprint
 
-            tag = f"{self.precision}@{self.device.type}"       # CPU and CUDA compute slightly different KV
+            # CPU and CUDA compute slightly different KV, and an f32 cache's state is not an f16 one's
+            kv = str(self.cache.k.dtype).removeprefix("torch.")
+            tag = f"{self.precision}@{self.device.type}/kv-{kv}"
             draft_fp = None
             if self.draft is not None:
                 dm = self.draft.model
                 draft_fp = model_fingerprint(dm.gguf, f"{self.draft.precision}@{self.device.type}"
-                                                      f"/vocab{dm.w.output.out_features}")
+                                                      f"/vocab{dm.w.output.out_features}/kv-{kv}")
             self.kv_store = KVStore(kv_store_dir, max_bytes=kv_store_bytes,
                                     target_fingerprint=model_fingerprint(self.gguf, tag),
                                     draft_fingerprint=draft_fp)

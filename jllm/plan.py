@@ -31,7 +31,7 @@ class Budget:
 def model_budget(g: GGUFFile, precision: str, ctx: int, output_rows: int | None = None,
                  verify_tokens: int = 9) -> Budget:
     cfg = config_from_gguf(g.metadata, set(g.tensors), str(g.path))
-    kv, scratch = _kv(cfg, ctx), _scratch(cfg, ctx, output_rows, verify_tokens)
+    kv, scratch = _kv(cfg, ctx, precision), _scratch(cfg, ctx, output_rows, verify_tokens)
     if precision in ("native", "native4"):
         return Budget(g.path.name, _native_weights(g, cfg, output_rows, precision == "native4"), kv, scratch)
     per = BYTES_PER_WEIGHT[precision]
@@ -51,8 +51,15 @@ def model_budget(g: GGUFFile, precision: str, ctx: int, output_rows: int | None 
     return Budget(g.path.name, weights, kv, scratch)
 
 
-def _kv(cfg, ctx: int) -> int:
-    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * ctx * 4
+def _kv(cfg, ctx: int, precision: str) -> int:
+    import torch
+
+    from jllm.kernels import native_possible
+    from jllm.model.kv_cache import kv_dtype
+
+    native = precision in ("native", "native4") and native_possible()
+    size = torch.empty(0, dtype=kv_dtype(native)).element_size()                 # f16 on the native stack
+    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * ctx * size
 
 
 def _scratch(cfg, ctx: int, output_rows: int | None, verify_tokens: int) -> int:

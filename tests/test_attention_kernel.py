@@ -1,6 +1,6 @@
 """The CPU attention kernel (jllm/kernels/attention.cpp): equal to torch's SDPA within float rounding, with
-GQA and sliding windows, for every head size; and each query's output bitwise independent of the other
-queries in the call."""
+GQA and sliding windows, for every head size; each query's output bitwise independent of the other
+queries in the call; an f16 cache read exactly as the same values in f32."""
 
 import pytest
 import torch
@@ -88,3 +88,47 @@ def test_rope_store_matches_the_torch_path(neox, rope_dim):
     torch.testing.assert_close(kc[:, start:start + T], want[:, H:].transpose(0, 1), rtol=1e-6, atol=1e-6)
     assert torch.equal(vc[:, start:start + T], v.transpose(0, 1))
     assert not kc[:, :start].any() and not kc[:, start + T:].any()
+
+
+# ------------------------------------------------------------------ f16 cache (the engine's default on this path)
+
+
+@pytest.mark.parametrize("H,Hk,D", [(12, 2, 128), (14, 2, 64), (6, 3, 24)])
+def test_an_f16_cache_gives_the_bits_of_its_values_in_f32(H, Hk, D):
+    """f16 keys and values are converted exactly on load: the result equals, bit for bit, that of an f32
+    cache holding the same values, for several queries and for one (a verify pass and a decode step)."""
+    g = torch.Generator().manual_seed(D)
+    L, start, T = 200, 150, 6
+    k16, v16 = torch.randn(Hk, L, D, generator=g).half(), torch.randn(Hk, L, D, generator=g).half()
+    q = torch.randn(T, H, D, generator=g)
+    for window in (0, 40):
+        got = qgemm().attention(q, k16, v16, start, window, D ** -0.5)
+        assert torch.equal(got, qgemm().attention(q, k16.float(), v16.float(), start, window, D ** -0.5))
+        one = qgemm().attention(q[:1].clone(), k16, v16, start, window, D ** -0.5)
+        assert torch.equal(one[0], got[0])
+
+
+@pytest.mark.parametrize("D", [64, 24])            # 24: a vector of 16, then 8 one at a time
+def test_rope_store_rounds_into_an_f16_cache(D):
+    from types import SimpleNamespace
+
+    from jllm.model.transformer import rope_table
+
+    g = torch.Generator().manual_seed(5)
+    T, H, Hk, L, start = 4, 4, 2, 16, 3
+    qk = torch.randn(T, H + Hk, D, generator=g)
+    v = torch.randn(T, Hk, D, generator=g)
+    cos, sin = rope_table(SimpleNamespace(rope_dim=D), 10000.0, 1.0, L, "cpu")
+    args = (qk[:, :H], qk[:, H:], v, cos[start:start + T], sin[start:start + T], True, D)
+    kc, vc = torch.zeros(Hk, L, D), torch.zeros(Hk, L, D)
+    kh, vh = torch.zeros(Hk, L, D, dtype=torch.float16), torch.zeros(Hk, L, D, dtype=torch.float16)
+    q32 = qgemm().rope_store(*args, kc, vc, start)
+    q16 = qgemm().rope_store(*args, kh, vh, start)
+    assert torch.equal(q16, q32)                       # q is returned in f32 either way
+    assert torch.equal(kh, kc.half()) and torch.equal(vh, vc.half())
+
+
+def test_a_bad_cache_dtype_is_refused():
+    k = torch.zeros(1, 8, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="float32 or float16"):
+        qgemm().attention(torch.randn(1, 2, 64), k, k, 0, 0, 0.125)

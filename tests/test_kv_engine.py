@@ -126,3 +126,20 @@ def test_cli_conversation_turns_and_cache_commands(models, tmp_path):
     assert len(bad.stderr.strip().splitlines()) == 1
     assert "removed: demo" in jllm("cache", "rm", "demo", env=env).stdout
     assert "demo" not in jllm("cache", "ls", env=env).stdout
+
+
+def test_native_cache_is_f16_and_so_are_its_files(models, tmp_path):
+    """On the native kernels the cache holds f16 (kv_cache.py says why); the persistent files keep that dtype,
+    and a restored second turn still answers exactly as a recomputation (the first test)."""
+    import torch
+
+    from jllm.kernels import qgemm
+
+    if qgemm() is None:
+        pytest.skip("native kernels unavailable on this machine")
+    cache = tmp_path / "kv"
+    res, ids, e2 = two_turns(models[0], str(cache))
+    assert e2.cache.k.dtype == torch.float16 and res.timings.cached_tokens > 0
+    files = [f for f in cache.rglob("*") if f.is_file() and f.stat().st_size > 1024]
+    assert files and all(b'"float16"' in f.read_bytes()[:4096] and b'"float32"' not in f.read_bytes()[:4096]
+                         for f in files)

@@ -41,6 +41,12 @@ def _cpu_has_vnni() -> bool:
     return {"avx512f", "avx512bw", "avx512_vnni"} <= _cpu_flags()
 
 
+def native_possible() -> bool:
+    """Whether qgemm() will try to build the kernels here (the CPU and the environment allow it), without
+    building them."""
+    return not os.environ.get("JLLM_NO_KERNELS") and _cpu_has_vnni()
+
+
 def _flags() -> list[str]:
     """Compiler flags for this CPU: with GFNI (Ice Lake, Zen 4 and later; not Cascade Lake) the 4-bit
     unpacking of one activation row takes one instruction fewer per register (qgemm.cpp). JLLM_NO_GFNI=1

@@ -9,6 +9,8 @@
 // queries share the call, so the verify pass of speculative decoding gets bitwise the result of single
 // decode steps. (torch's SDPA splits work differently for different query counts, so
 // jllm used to call it once per query: ~50 us a call, 13 ms of a 9-token verify pass on the 1.5B.)
+// The cache holds keys and values in f32 or f16 (half the bytes to read per step; converted to f32 on load,
+// exactly, so the arithmetic is the same).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -22,7 +24,11 @@
 
 namespace {
 
+using c10::Half;
 using jllm::exp512;
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
 using jllm::tail_mask;
 
 // Sums of 16 vectors: lane j of the result is the sum of the lanes of a[j], always in the same order.
@@ -41,16 +47,16 @@ inline __m512 transpose_sum(__m512 a[16]) {
 }
 
 // out[p] = sum_j w[p * n + j] v_j * inv[p] for P heads (their weights n apart), D = 16 C.
-template <int D, int P>
-inline void values(const float* w, int64_t n, const float* v, const float* inv, float* out) {
+template <int D, int P, typename E>
+inline void values(const float* w, int64_t n, const E* v, const float* inv, float* out) {
     constexpr int C = D / 16;
     __m512 acc[P][C];
     for (int p = 0; p < P; ++p)
         for (int c = 0; c < C; ++c) acc[p][c] = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; ++j) {
-        const float* vj = v + j * D;
+        const E* vj = v + j * D;
         __m512 vr[C];
-        for (int c = 0; c < C; ++c) vr[c] = _mm512_loadu_ps(vj + 16 * c);
+        for (int c = 0; c < C; ++c) vr[c] = load16(vj + 16 * c);
         for (int p = 0; p < P; ++p) {
             const __m512 wj = _mm512_set1_ps(w[p * n + j]);
             for (int c = 0; c < C; ++c) acc[p][c] = _mm512_fmadd_ps(wj, vr[c], acc[p][c]);
@@ -62,27 +68,27 @@ inline void values(const float* w, int64_t n, const float* v, const float* inv, 
 }
 
 // One (query, kv head) item for head dimension D (a multiple of 16), G query heads in the group.
-template <int D>
-void item(const float* q, const float* k, const float* v, int64_t n, int64_t G, float scale, float* out,
+template <int D, typename E>
+void item(const float* q, const E* k, const E* v, int64_t n, int64_t G, float scale, float* out,
           std::vector<float>& w) {
     constexpr int C = D / 16;
-    alignas(64) static const float zero[D] = {};
+    alignas(64) static const E zero[D] = {};
     w.resize((size_t)(G * n + 16 + G));              // scores of each head, then 1 / sum of each head
     float* inv = w.data() + G * n + 16;
     const __m512 vscale = _mm512_set1_ps(scale);
     // scores: w[g * n + j] = scale * q_g . k_j, for 16 keys at a time: one accumulator per key, summed across
     // lanes together (a key past the end reads zeros and its score is not stored)
     for (int64_t j0 = 0; j0 < n; j0 += 16) {
-        const float* kr[16];
+        const E* kr[16];
         for (int i = 0; i < 16; ++i) kr[i] = j0 + i < n ? k + (j0 + i) * D : zero;
         const __mmask16 m = tail_mask(n - j0);
         for (int64_t g = 0; g < G; ++g) {
             __m512 acc[16];
             const __m512 q0 = _mm512_loadu_ps(q + g * D);
-            for (int i = 0; i < 16; ++i) acc[i] = _mm512_mul_ps(q0, _mm512_loadu_ps(kr[i]));
+            for (int i = 0; i < 16; ++i) acc[i] = _mm512_mul_ps(q0, load16(kr[i]));
             for (int c = 1; c < C; ++c) {
                 const __m512 qc = _mm512_loadu_ps(q + g * D + 16 * c);
-                for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(kr[i] + 16 * c), acc[i]);
+                for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(qc, load16(kr[i] + 16 * c), acc[i]);
             }
             _mm512_mask_storeu_ps(w.data() + g * n + j0, m, _mm512_mul_ps(transpose_sum(acc), vscale));
         }
@@ -110,19 +116,20 @@ void item(const float* q, const float* k, const float* v, int64_t n, int64_t G, 
     // of accumulators, the rest of the group one head at a time; every head's sums run in the same order)
     constexpr int P = C >= 16 ? 1 : 16 / C;
     int64_t g = 0;
-    for (; g + P <= G; g += P) values<D, P>(w.data() + g * n, n, v, inv + g, out + g * D);
-    for (; g < G; ++g) values<D, 1>(w.data() + g * n, n, v, inv + g, out + g * D);
+    for (; g + P <= G; g += P) values<D, P, E>(w.data() + g * n, n, v, inv + g, out + g * D);
+    for (; g < G; ++g) values<D, 1, E>(w.data() + g * n, n, v, inv + g, out + g * D);
 }
 
 // Any head dimension: the same steps with scalar tails (the tiny test models use odd sizes).
-void item_any(const float* q, const float* k, const float* v, int64_t n, int64_t G, int64_t D, float scale,
+template <typename E>
+void item_any(const float* q, const E* k, const E* v, int64_t n, int64_t G, int64_t D, float scale,
               float* out, std::vector<float>& w) {
     w.resize((size_t)n);
     for (int64_t g = 0; g < G; ++g) {
         float mx = -INFINITY;
         for (int64_t j = 0; j < n; ++j) {
             float s = 0.0f;
-            for (int64_t d = 0; d < D; ++d) s += q[g * D + d] * k[j * D + d];
+            for (int64_t d = 0; d < D; ++d) s += q[g * D + d] * static_cast<float>(k[j * D + d]);
             w[j] = s * scale;
             mx = std::max(mx, w[j]);
         }
@@ -134,31 +141,15 @@ void item_any(const float* q, const float* k, const float* v, int64_t n, int64_t
         float* o = out + g * D;
         for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
         for (int64_t j = 0; j < n; ++j)
-            for (int64_t d = 0; d < D; ++d) o[d] += w[j] * v[j * D + d];
+            for (int64_t d = 0; d < D; ++d) o[d] += w[j] * static_cast<float>(v[j * D + d]);
         for (int64_t d = 0; d < D; ++d) o[d] /= sum;
     }
 }
 
-}  // namespace
-
-// q: [T, H, D] f32; k, v: [Hk, L, D] f32 (one layer of the cache; rows start .. start+T-1 already written);
-// query t sits at position start + t and sees keys max(0, p - window + 1) .. p (window 0: all). -> [T, H * D]
-torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t start, int64_t window,
-                        double scale) {
-    TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q [T, H, D], k and v [Hk, L, D]");
-    TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32 &&
-                v.scalar_type() == torch::kFloat32, "float32 only");
-    q = q.contiguous();
-    TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), "the cache must be contiguous");
-    const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hk = k.size(0), L = k.size(1);
-    TORCH_CHECK(H % Hk == 0 && k.size(2) == D && start + T <= L, "shapes do not match");
+template <typename E>
+void attend(const float* qp, const E* kp, const E* vp, float* op, int64_t T, int64_t H, int64_t Hk, int64_t D,
+            int64_t L, int64_t start, int64_t window, float sc) {
     const int64_t G = H / Hk;
-    auto out = torch::empty({T, H * D}, torch::kFloat32);
-    const float* qp = q.data_ptr<float>();
-    const float* kp = k.data_ptr<float>();
-    const float* vp = v.data_ptr<float>();
-    float* op = out.data_ptr<float>();
-    const float sc = (float)scale;
     at::parallel_for(0, T * Hk, 1, [&](int64_t i0, int64_t i1) {
         std::vector<float> w;
         for (int64_t it = i0; it < i1; ++it) {
@@ -167,16 +158,39 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64
             const int64_t lo = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
             const int64_t n = p - lo + 1;
             const float* qg = qp + (t * H + hk * G) * D;
-            const float* kh = kp + (hk * L + lo) * D;
-            const float* vh = vp + (hk * L + lo) * D;
+            const E* kh = kp + (hk * L + lo) * D;
+            const E* vh = vp + (hk * L + lo) * D;
             float* o = op + (t * H + hk * G) * D;
             switch (D) {
-                case 64: item<64>(qg, kh, vh, n, G, sc, o, w); break;
-                case 128: item<128>(qg, kh, vh, n, G, sc, o, w); break;
-                case 256: item<256>(qg, kh, vh, n, G, sc, o, w); break;
-                default: item_any(qg, kh, vh, n, G, D, sc, o, w);
+                case 64: item<64, E>(qg, kh, vh, n, G, sc, o, w); break;
+                case 128: item<128, E>(qg, kh, vh, n, G, sc, o, w); break;
+                case 256: item<256, E>(qg, kh, vh, n, G, sc, o, w); break;
+                default: item_any<E>(qg, kh, vh, n, G, D, sc, o, w);
             }
         }
     });
+}
+
+}  // namespace
+
+// q: [T, H, D] f32; k, v: [Hk, L, D] f32 or f16 (one layer of the cache; rows start .. start+T-1 already written);
+// query t sits at position start + t and sees keys max(0, p - window + 1) .. p (window 0: all). -> [T, H * D]
+torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t start, int64_t window,
+                        double scale) {
+    TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q [T, H, D], k and v [Hk, L, D]");
+    TORCH_CHECK(q.scalar_type() == torch::kFloat32, "q must be float32");
+    TORCH_CHECK(k.scalar_type() == v.scalar_type() &&
+                (k.scalar_type() == torch::kFloat32 || k.scalar_type() == torch::kHalf), "a float32 or float16 cache");
+    q = q.contiguous();
+    TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), "the cache must be contiguous");
+    const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hk = k.size(0), L = k.size(1);
+    TORCH_CHECK(H % Hk == 0 && k.size(2) == D && start + T <= L, "shapes do not match");
+    auto out = torch::empty({T, H * D}, torch::kFloat32);
+    if (k.scalar_type() == torch::kHalf)
+        attend<Half>(q.data_ptr<float>(), k.data_ptr<Half>(), v.data_ptr<Half>(), out.data_ptr<float>(), T, H, Hk,
+                     D, L, start, window, (float)scale);
+    else
+        attend<float>(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(), T, H,
+                      Hk, D, L, start, window, (float)scale);
     return out;
 }

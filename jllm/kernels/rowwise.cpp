@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 namespace {
 
@@ -116,15 +117,28 @@ torch::Tensor rope_store(torch::Tensor q, torch::Tensor k, torch::Tensor v, torc
     const float* kp = k.data_ptr<float>();
     const float* vp = v.data_ptr<float>();
     float* qop = qo.data_ptr<float>();
-    float* kcp = kc.data_ptr<float>();
-    float* vcp = vc.data_ptr<float>();
+    TORCH_CHECK(kc.scalar_type() == vc.scalar_type() &&
+                (kc.scalar_type() == torch::kFloat32 || kc.scalar_type() == torch::kHalf), "a float32 or float16 cache");
+    const bool half_cache = kc.scalar_type() == torch::kHalf;
+    std::vector<float> row(D);
+    // a row of the cache: f32 as is, or f16 rounded to nearest
+    auto store = [&](const float* x, torch::Tensor& cache, int64_t at) {
+        if (half_cache) {
+            c10::Half* d = cache.data_ptr<c10::Half>() + at;
+            int64_t i = 0;
+            for (; i + 16 <= D; i += 16)        // round to nearest even, as c10::Half below
+                _mm256_storeu_si256((__m256i*)(d + i), _mm512_cvtps_ph(_mm512_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+            for (; i < D; ++i) d[i] = c10::Half(x[i]);
+        } else {
+            std::copy(x, x + D, cache.data_ptr<float>() + at);
+        }
+    };
     for (int64_t t = 0; t < T; ++t) {
         for (int64_t h = 0; h < H; ++h) rotate(qp + t * q.stride(0) + h * q.stride(1), qop + (t * H + h) * D, t);
         for (int64_t h = 0; h < Hk; ++h) {
-            float* kd = kcp + (h * L + start + t) * D;
-            rotate(kp + t * k.stride(0) + h * k.stride(1), kd, t);
-            const float* vs = vp + t * v.stride(0) + h * v.stride(1);
-            std::copy(vs, vs + D, vcp + (h * L + start + t) * D);
+            rotate(kp + t * k.stride(0) + h * k.stride(1), row.data(), t);
+            store(row.data(), kc, (h * L + start + t) * D);
+            store(vp + t * v.stride(0) + h * v.stride(1), vc, (h * L + start + t) * D);
         }
     }
     return qo;

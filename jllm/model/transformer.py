@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from jllm.model.config import ModelConfig
-from jllm.model.kv_cache import KVCache
+from jllm.model.kv_cache import KVCache, kv_dtype as cache_dtype
 from jllm.model.weights import Weights
 
 
@@ -79,9 +79,16 @@ class Transformer:
                             c.sliding_window if c.is_sliding(i) else 0)
         return stack
 
-    def new_cache(self, max_tokens: int) -> KVCache:
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """f16 on the native stack (half the bytes per step; kv_cache.py), else f32 (torch attention, CUDA,
+        and the exact and int8 precisions, which the oracles and comparisons use)."""
+        return cache_dtype(self.stack is not None)
+
+    def new_cache(self, max_tokens: int, dtype: torch.dtype | None = None) -> KVCache:
         c = self.cfg
-        return KVCache(c.n_layers, c.n_kv_heads, c.head_dim, max_tokens, device=self.device)
+        return KVCache(c.n_layers, c.n_kv_heads, c.head_dim, max_tokens, dtype=dtype or self.kv_dtype,
+                       device=self.device)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
