@@ -59,6 +59,7 @@ class Transformer:
             self.kernels = qgemm()
             if self.kernels is not None:
                 self.stack = self._native_stack()
+        self._f16_cache = self.stack is not None       # fixed at load: the Python layers can read it too
 
     def _native_stack(self):
         from jllm.model.qlinear import GROUP_BYTES, QLinear
@@ -83,7 +84,7 @@ class Transformer:
     def kv_dtype(self) -> torch.dtype:
         """f16 on the native stack (half the bytes per step; kv_cache.py), else f32 (torch attention, CUDA,
         and the exact and int8 precisions, which the oracles and comparisons use)."""
-        return cache_dtype(self.stack is not None)
+        return cache_dtype(self._f16_cache)
 
     def new_cache(self, max_tokens: int, dtype: torch.dtype | None = None) -> KVCache:
         c = self.cfg
