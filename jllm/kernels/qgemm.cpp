@@ -43,7 +43,7 @@ constexpr int kMaxRows = 10;      // that covers the whole call: a verify pass o
 #ifndef JLLM_PREFETCH
 #define JLLM_PREFETCH 2048
 #endif
-constexpr int kPrefetch = JLLM_PREFETCH;   // bytes ahead of the block being computed, into L1
+constexpr int kPrefetch = JLLM_PREFETCH;   // bytes ahead of the block being computed, into L1 (several rows)
 #ifndef JLLM_PREFETCH_L2
 #define JLLM_PREFETCH_L2 16384
 #endif
@@ -139,14 +139,16 @@ inline void tile_rows(const uint8_t* w, int64_t nb, int64_t per_super, const int
         }
         __m512i ia[R];
         for (int r = 0; r < R; ++r) ia[r] = _mm512_setzero_si512();
-        // Ask for the weights a few blocks ahead, so memory streams while this block computes.
-        for (int l = 0; l < lines; ++l) _mm_prefetch((const char*)p + kPrefetch + 64 * l, _MM_HINT_T0);
-        // With several rows the compute per block is long enough to starve the memory stream: also ask for
-        // weights much further ahead, into L2 (verify passes: M = 5 went from 1.24-1.49x of M = 1 to
-        // 1.14-1.20x, benchmarks/kernel_stream.py). One row gains nothing from it and keeps the issue slots.
-        if (R > 1)
-            for (int l = 0; l < lines; ++l)
-                _mm_prefetch((const char*)p + kPrefetchL2 + 64 * l, _MM_HINT_T1);
+        // With several rows, ask for the weights a few blocks ahead into L1, so memory streams while this block
+        // computes, and much further ahead into L2: the compute per block is long enough to starve the stream
+        // (verify passes: M = 5 went from 1.24-1.49x of M = 1 to 1.14-1.20x, benchmarks/kernel_stream.py).
+        // One row is left to the hardware prefetcher, which follows its single stream better: all matrices
+        // of a step, 15-21 interleaved rounds, target 21.73 -> 21.22 ms and 31.44 -> 30.77, draft 6.47 ->
+        // 6.03 and 7.85 -> 7.77 (fast and slow memory phases).
+        if constexpr (R > 1) {
+            for (int l = 0; l < lines; ++l) _mm_prefetch((const char*)p + kPrefetch + 64 * l, _MM_HINT_T0);
+            for (int l = 0; l < lines; ++l) _mm_prefetch((const char*)p + kPrefetchL2 + 64 * l, _MM_HINT_T1);
+        }
         const int32_t* xb[R];
         for (int r = 0; r < R; ++r) xb[r] = (const int32_t*)(xq + r * K + b * 32);
         if constexpr (four) {
