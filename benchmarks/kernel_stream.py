@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
-
-import torch
 
 from jllm.model.loader import load_model
 from jllm.store import resolve
+from matrix_sets import timed_pass
 
 
 def main() -> None:
@@ -28,13 +26,10 @@ def main() -> None:
     layers = model.w.layers
     streamed = [m for L in layers for m in (L.gate_up, L.down)]
     cached = [layers[0].gate_up, layers[0].down] * len(layers)
-    xs = {}
+    made: dict = {}
 
     def run(mats, M: int) -> float:
-        t = time.perf_counter()
-        for m in mats:
-            m(xs.setdefault((M, m.in_features), torch.randn(M, m.in_features)))
-        return time.perf_counter() - t
+        return timed_pass(mats, M, made)
 
     Ms = (1, 3, 5, 9)
     times = {(where, M): [] for where in ("memory", "cache") for M in Ms}

@@ -105,8 +105,9 @@ class Engine:
             draft_fp = None
             if self.draft is not None:
                 dm = self.draft.model
+                draft_kv = str(self.draft.cache.k.dtype).removeprefix("torch.")
                 draft_fp = model_fingerprint(dm.gguf, f"{self.draft.precision}@{self.device.type}"
-                                                      f"/vocab{dm.w.output.out_features}/kv-{kv}")
+                                                      f"/vocab{dm.w.output.out_features}/kv-{draft_kv}")
             self.kv_store = KVStore(kv_store_dir, max_bytes=kv_store_bytes,
                                     target_fingerprint=model_fingerprint(self.gguf, tag),
                                     draft_fingerprint=draft_fp)

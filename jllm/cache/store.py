@@ -13,11 +13,12 @@ tokens>.kv` for a prompt without one. All integers little-endian:
                     {"version": 1, "name": str, "created": unix time (s),
                      "target": fingerprint of the target model, "draft": the draft's or null,
                      "n_tokens": n,
-                     "tensors": [{"name": "target_k", "dtype": "float32", "shape": [L, Hkv, n, D]},
+                     "tensors": [{"name": "target_k", "dtype": "float16", "shape": [L, Hkv, n, D]},
                                  "target_v", then "draft_k", "draft_v" if present],
                      "payload_bytes": P, "payload_sha256": hex digest of the payload}
     48+H    4n    token ids, int32
-    48+H+4n P     payload: the tensors in header order, each its C-order bytes
+    48+H+4n P     payload: the tensors in header order, each its C-order bytes (dtype: the cache's, f16
+                  on the native CPU stack, f32 elsewhere; float32, float16 or bfloat16 are read)
 
 Header and tokens come first so that `lookup` reads a few KB per entry and never the payload. A file is
 written to `.<name>.<pid>.<rand>.tmp` in the same directory, fsynced and renamed over the entry (then the
