@@ -28,15 +28,12 @@ def main() -> None:
     cached = [layers[0].gate_up, layers[0].down] * len(layers)
     made: dict = {}
 
-    def run(mats, M: int) -> float:
-        return timed_pass(mats, M, made)
-
     Ms = (1, 3, 5, 9)
     times = {(where, M): [] for where in ("memory", "cache") for M in Ms}
     for _ in range(15):
         for M in Ms:
-            times["memory", M].append(run(streamed, M))
-            times["cache", M].append(run(cached, M))
+            times["memory", M].append(timed_pass(streamed, M, made))
+            times["cache", M].append(timed_pass(cached, M, made))
     ms = {key: statistics.median(v) * 1000 for key, v in times.items()}
     macs = sum(m.in_features * m.out_features for m in streamed)
     one = ms["memory", 1]

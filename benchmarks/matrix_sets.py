@@ -29,14 +29,10 @@ def timed_pass(mats, M: int, made: dict) -> float:
 def interleaved(sets: dict, rows=(1, 3), rounds: int = 15) -> None:
     """sets: label -> list of QLinear. Prints one line per M: median ms of a pass over each set."""
     made: dict = {}
-
-    def run(ms, M):
-        return timed_pass(ms, M, made)
-
     print(f"{'M':>2} " + " ".join(f"{k:>12}" for k in sets) + f"   (ms, medians of {rounds})")
     for M in rows:
         times = {k: [] for k in sets}
         for _ in range(rounds):
             for k, ms in sets.items():
-                times[k].append(run(ms, M))
+                times[k].append(timed_pass(ms, M, made))
         print(f"{M:>2} " + " ".join(f"{statistics.median(v) * 1000:>12.2f}" for v in times.values()), flush=True)

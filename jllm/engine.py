@@ -97,17 +97,16 @@ class Engine:
         self.spec_gate = None                  # the draft gate, kept across generations (a chat's turns)
         self.kv_store = None
         if kv_store_dir is not None:
-            from jllm.cache.store import KVStore, model_fingerprint
+            from jllm.cache.store import KVStore, dtype_name, model_fingerprint
 
             # CPU and CUDA compute slightly different KV, and an f32 cache's state is not an f16 one's
-            kv = str(self.cache.k.dtype).removeprefix("torch.")
-            tag = f"{self.precision}@{self.device.type}/kv-{kv}"
+            tag = f"{self.precision}@{self.device.type}/kv-{dtype_name(self.cache.k.dtype)}"
             draft_fp = None
             if self.draft is not None:
                 dm = self.draft.model
-                draft_kv = str(self.draft.cache.k.dtype).removeprefix("torch.")
                 draft_fp = model_fingerprint(dm.gguf, f"{self.draft.precision}@{self.device.type}"
-                                                      f"/vocab{dm.w.output.out_features}/kv-{draft_kv}")
+                                                      f"/vocab{dm.w.output.out_features}"
+                                                      f"/kv-{dtype_name(self.draft.cache.k.dtype)}")
             self.kv_store = KVStore(kv_store_dir, max_bytes=kv_store_bytes,
                                     target_fingerprint=model_fingerprint(self.gguf, tag),
                                     draft_fingerprint=draft_fp)

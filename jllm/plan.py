@@ -52,13 +52,11 @@ def model_budget(g: GGUFFile, precision: str, ctx: int, output_rows: int | None 
 
 
 def _kv(cfg, ctx: int, precision: str) -> int:
-    import torch
-
     from jllm.kernels import native_possible
     from jllm.model.kv_cache import kv_dtype
 
     native = precision in ("native", "native4") and native_possible()
-    size = torch.empty(0, dtype=kv_dtype(native)).element_size()                 # f16 on the native stack
+    size = kv_dtype(native).itemsize                                               # f16 on the native stack
     return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * ctx * size
 
 

@@ -88,6 +88,11 @@ def check_conversation_id(conv_id: str) -> str:
     return conv_id
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """"float16" for torch.float16: the name the header and the model tags use."""
+    return str(dtype).removeprefix("torch.")
+
+
 def model_fingerprint(gguf_file, precision: str) -> str:
     """A cheap, stable identity of a model as the KV store sees it: sha256 over the store's format version,
     the precision, the file size, the GGUF header (metadata and tensor directory) and the first and last
@@ -382,13 +387,13 @@ class KVStore:
         if n and (tokens.min() < 0 or tokens.max() >= 2**31):
             raise ValueError("KVState: token ids must fit in int32")
         for k, t in tensors.items():
-            if t.dim() != 4 or t.shape[2] != n or str(t.dtype).removeprefix("torch.") not in _DTYPES:
+            if t.dim() != 4 or t.shape[2] != n or dtype_name(t.dtype) not in _DTYPES:
                 raise ValueError(f"KVState: {k} is {tuple(t.shape)} {t.dtype}, expected "
                                  f"[layers, kv_heads, {n}, head_dim] float32/float16/bfloat16")
         views = [_bytes_of(t) for t in tensors.values()]
         header = {"version": FORMAT_VERSION, "name": name, "created": int(time.time()),
                   "target": self.target_fingerprint, "draft": self.draft_fingerprint, "n_tokens": n,
-                  "tensors": [{"name": k, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+                  "tensors": [{"name": k, "dtype": dtype_name(t.dtype), "shape": list(t.shape)}
                               for k, t in tensors.items()],
                   "payload_bytes": sum(len(v) for v in views), "payload_sha256": "0" * 64}
         tok = tokens.astype("<i4").tobytes()

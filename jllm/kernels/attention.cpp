@@ -16,6 +16,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "kernels.h"
 #include "vecmath.h"
 
 #include <algorithm>
@@ -26,10 +27,10 @@ namespace {
 
 using c10::Half;
 using jllm::exp512;
+using jllm::tail_mask;
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
-using jllm::tail_mask;
 
 // Sums of 16 vectors: lane j of the result is the sum of the lanes of a[j], always in the same order.
 inline __m512 transpose_sum(__m512 a[16]) {
@@ -179,14 +180,12 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64
                         double scale) {
     TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q [T, H, D], k and v [Hk, L, D]");
     TORCH_CHECK(q.scalar_type() == torch::kFloat32, "q must be float32");
-    TORCH_CHECK(k.scalar_type() == v.scalar_type() &&
-                (k.scalar_type() == torch::kFloat32 || k.scalar_type() == torch::kHalf), "a float32 or float16 cache");
     q = q.contiguous();
     TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), "the cache must be contiguous");
     const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hk = k.size(0), L = k.size(1);
     TORCH_CHECK(H % Hk == 0 && k.size(2) == D && start + T <= L, "shapes do not match");
     auto out = torch::empty({T, H * D}, torch::kFloat32);
-    if (k.scalar_type() == torch::kHalf)
+    if (half_cache(k, v))
         attend<Half>(q.data_ptr<float>(), k.data_ptr<Half>(), v.data_ptr<Half>(), out.data_ptr<float>(), T, H, Hk,
                      D, L, start, window, (float)scale);
     else

@@ -12,3 +12,10 @@ torch::Tensor glu(torch::Tensor gu, bool gelu);                                 
 torch::Tensor rope_store(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
                          bool neox, int64_t rope_dim, torch::Tensor kc, torch::Tensor vc, int64_t start);
 void register_stack(pybind11::module& m);                                             // layers.cpp
+
+// Whether a cache's k and v hold f16 (else f32; any other pair of dtypes is refused). attention and rope_store.
+inline bool half_cache(const torch::Tensor& k, const torch::Tensor& v) {
+    TORCH_CHECK(k.scalar_type() == v.scalar_type() &&
+                (k.scalar_type() == torch::kFloat32 || k.scalar_type() == torch::kHalf), "a float32 or float16 cache");
+    return k.scalar_type() == torch::kHalf;
+}

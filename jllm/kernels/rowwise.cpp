@@ -6,6 +6,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "kernels.h"
 #include "vecmath.h"
 
 #include <algorithm>
@@ -117,13 +118,11 @@ torch::Tensor rope_store(torch::Tensor q, torch::Tensor k, torch::Tensor v, torc
     const float* kp = k.data_ptr<float>();
     const float* vp = v.data_ptr<float>();
     float* qop = qo.data_ptr<float>();
-    TORCH_CHECK(kc.scalar_type() == vc.scalar_type() &&
-                (kc.scalar_type() == torch::kFloat32 || kc.scalar_type() == torch::kHalf), "a float32 or float16 cache");
-    const bool half_cache = kc.scalar_type() == torch::kHalf;
+    const bool f16 = half_cache(kc, vc);
     std::vector<float> row(D);
     // a row of the cache: f32 as is, or f16 rounded to nearest
     auto store = [&](const float* x, torch::Tensor& cache, int64_t at) {
-        if (half_cache) {
+        if (f16) {
             c10::Half* d = cache.data_ptr<c10::Half>() + at;
             int64_t i = 0;
             for (; i + 16 <= D; i += 16)        // round to nearest even, as c10::Half below

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from jllm.model.config import ModelConfig
-from jllm.model.kv_cache import KVCache, kv_dtype as cache_dtype
+from jllm.model.kv_cache import KVCache, kv_dtype
 from jllm.model.weights import Weights
 
 
@@ -59,7 +59,10 @@ class Transformer:
             self.kernels = qgemm()
             if self.kernels is not None:
                 self.stack = self._native_stack()
-        self._f16_cache = self.stack is not None       # fixed at load: the Python layers can read it too
+        # f16 on the native stack (half the bytes per step; kv_cache.py), else f32 (torch attention, CUDA, and
+        # the exact and int8 precisions, which the oracles and comparisons use). Fixed at load: the Python
+        # layers read the stack's cache with the same kernels.
+        self.kv_dtype = kv_dtype(self.stack is not None)
 
     def _native_stack(self):
         from jllm.model.qlinear import GROUP_BYTES, QLinear
@@ -79,12 +82,6 @@ class Transformer:
                             [m.out_features for m in mats[i]], cos, sin,
                             c.sliding_window if c.is_sliding(i) else 0)
         return stack
-
-    @property
-    def kv_dtype(self) -> torch.dtype:
-        """f16 on the native stack (half the bytes per step; kv_cache.py), else f32 (torch attention, CUDA,
-        and the exact and int8 precisions, which the oracles and comparisons use)."""
-        return cache_dtype(self._f16_cache)
 
     def new_cache(self, max_tokens: int, dtype: torch.dtype | None = None) -> KVCache:
         c = self.cfg
