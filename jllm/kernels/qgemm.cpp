@@ -41,7 +41,7 @@ namespace {
 constexpr int kRows = 8;          // activation rows computed together against one tile (up to kMaxRows when
 constexpr int kMaxRows = 10;      // that covers the whole call: a verify pass of k + 1 <= 10 rows is one chunk)
 #ifndef JLLM_PREFETCH
-#define JLLM_PREFETCH 2048
+#define JLLM_PREFETCH 4096
 #endif
 constexpr int kPrefetch = JLLM_PREFETCH;   // bytes ahead of the block being computed, into L1 (several rows)
 #ifndef JLLM_PREFETCH_L2
@@ -144,7 +144,10 @@ inline void tile_rows(const uint8_t* w, int64_t nb, int64_t per_super, const int
         // (verify passes: M = 5 went from 1.24-1.49x of M = 1 to 1.14-1.20x, benchmarks/kernel_stream.py).
         // One row is left to the hardware prefetcher, which follows its single stream better: all matrices
         // of a step, 15-21 interleaved rounds, target 21.73 -> 21.22 ms and 31.44 -> 30.77, draft 6.47 ->
-        // 6.03 and 7.85 -> 7.77 (fast and slow memory phases).
+        // 6.03 and 7.85 -> 7.77 (fast and slow memory phases). 4 KiB ahead into L1 rather than 2: all target
+        // matrices in a fast phase, 137 interleaved rounds, M = 2 / 3 / 4 / 5 went 25.35 / 27.55 / 29.47 /
+        // 33.16 -> 22.24 / 23.18 / 25.78 / 30.22 ms (M = 1 19.7); in a slow phase M = 5 35.91 -> 33.20. Without
+        // the far prefetch M = 5 is 37.7; 6-8 KiB ahead is no better.
         if constexpr (R > 1) {
             for (int l = 0; l < lines; ++l) _mm_prefetch((const char*)p + kPrefetch + 64 * l, _MM_HINT_T0);
             for (int l = 0; l < lines; ++l) _mm_prefetch((const char*)p + kPrefetchL2 + 64 * l, _MM_HINT_T1);
