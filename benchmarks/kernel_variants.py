@@ -4,7 +4,7 @@ interleaved round by round so the host's memory phases fall on all of them alike
 fast and slow memory phases by the first variant's one-row pass (under --fast-ms), and medians are printed
 for each phase: a change can help in one phase and not the other.
 
-    python benchmarks/kernel_variants.py "" "-DJLLM_PREFETCH=4096" [--rows 1,2,3,5] [--draft] [--rounds 60]
+    python benchmarks/kernel_variants.py [--rows 1,2,3,5] [--draft] [--rounds 60] -- "" "-DJLLM_PREFETCH=2048"
 
 The empty string is the build as configured. Every variant must give bitwise the same result (checked).
 """
