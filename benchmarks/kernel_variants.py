@@ -46,7 +46,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("variants", nargs="+", help="extra compiler flags of each build, one string each")
     ap.add_argument("--rows", default="1,2,3,5")
-    ap.add_argument("--draft", action="store_true", help="the draft's matrices (0.5B, FR-Spec output rows)")
+    ap.add_argument("--draft", action="store_true", help="the draft's matrices as the engine runs them (0.5B, native4, FR-Spec output rows)")
     ap.add_argument("--rounds", type=int, default=60)
     ap.add_argument("--fast-ms", type=float, default=24.0, help="a round is fast when variant 1, M = 1 is under")
     ap.add_argument("--build-dir", default="/tmp/jllm-kernel-variants")
@@ -57,7 +57,7 @@ def main() -> None:
     mods = [build(kernels._flags() + v.split(), Path(a.build_dir)) for v in a.variants]
     if a.draft:
         from jllm.spec import DRAFT_VOCAB
-        model = load_model(resolve("qwen2.5-coder-0.5b"), "cpu", None, output_rows=DRAFT_VOCAB)
+        model = load_model(resolve("qwen2.5-coder-0.5b"), "cpu", "native4", output_rows=DRAFT_VOCAB)
     else:
         model = load_model(resolve("qwen2.5-coder-1.5b"), "cpu", None)
     mats = model.w.matrices()
