@@ -31,9 +31,9 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <vector>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "kernels.h"
 
@@ -233,10 +233,10 @@ torch::Tensor qmatmul(torch::Tensor x, torch::Tensor data, torch::Tensor offsets
     thread_local std::vector<float> scale_buf;
     xq_buf.resize((size_t)(M * K));
     scale_buf.resize((size_t)(2 * M * nb));
-    const int8_t* const xqp = xq_buf.data();
-    const float* const dxp = scale_buf.data();
-    const float* const bsp = dxp + M * nb;
-    quantize_rows(x.data_ptr<float>(), M, K, xq_buf.data(), scale_buf.data(), scale_buf.data() + M * nb);
+    int8_t* const xqp = xq_buf.data();
+    float* const dxp = scale_buf.data();
+    float* const bsp = dxp + M * nb;
+    quantize_rows(x.data_ptr<float>(), M, K, xqp, dxp, bsp);
     auto y = torch::empty({M, n}, torch::kFloat32);
     const uint8_t* w = data.data_ptr<uint8_t>();
     const int64_t* off = offsets.data_ptr<int64_t>();
