@@ -152,7 +152,7 @@ void attend(const float* qp, const E* kp, const E* vp, float* op, int64_t T, int
             int64_t L, int64_t start, int64_t window, float sc) {
     const int64_t G = H / Hk;
     at::parallel_for(0, T * Hk, 1, [&](int64_t i0, int64_t i1) {
-        std::vector<float> w;
+        thread_local std::vector<float> w;          // scores, kept between calls
         for (int64_t it = i0; it < i1; ++it) {
             const int64_t hk = it / T, t = it % T;      // a head's queries in a row: its keys stay in cache
             const int64_t p = start + t;
@@ -174,6 +174,16 @@ void attend(const float* qp, const E* kp, const E* vp, float* op, int64_t T, int
 
 }  // namespace
 
+void attention_raw(const float* q, const void* k, const void* v, bool half, float* out, int64_t T, int64_t H,
+                   int64_t Hk, int64_t D, int64_t L, int64_t start, int64_t window, float scale) {
+    if (half)
+        attend<Half>(q, static_cast<const Half*>(k), static_cast<const Half*>(v), out, T, H, Hk, D, L, start, window,
+                     scale);
+    else
+        attend<float>(q, static_cast<const float*>(k), static_cast<const float*>(v), out, T, H, Hk, D, L, start,
+                      window, scale);
+}
+
 // q: [T, H, D] f32; k, v: [Hk, L, D] f32 or f16 (one layer of the cache; rows start .. start+T-1 already written);
 // query t sits at position start + t and sees keys max(0, p - window + 1) .. p (window 0: all). -> [T, H * D]
 torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t start, int64_t window,
@@ -185,11 +195,7 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64
     const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hk = k.size(0), L = k.size(1);
     TORCH_CHECK(H % Hk == 0 && k.size(2) == D && start + T <= L, "shapes do not match");
     auto out = torch::empty({T, H * D}, torch::kFloat32);
-    if (half_cache(k, v))
-        attend<Half>(q.data_ptr<float>(), k.data_ptr<Half>(), v.data_ptr<Half>(), out.data_ptr<float>(), T, H, Hk,
-                     D, L, start, window, (float)scale);
-    else
-        attend<float>(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(), T, H,
-                      Hk, D, L, start, window, (float)scale);
+    attention_raw(q.data_ptr<float>(), k.data_ptr(), v.data_ptr(), half_cache(k, v), out.data_ptr<float>(), T, H, Hk,
+                  D, L, start, window, (float)scale);
     return out;
 }

@@ -214,17 +214,24 @@ int64_t super_blocks(int64_t nb) {
 
 }  // namespace
 
-// x: [M, K] f32; data: uint8 (all tiles); offsets: int64 [T + 1] byte offset of each tile; kinds: uint8 [T]
-// (Kind above); n: output features (<= 16 T); bias: [n] f32 or empty. -> y [M, n] f32
-torch::Tensor qmatmul(torch::Tensor x, torch::Tensor data, torch::Tensor offsets, torch::Tensor kinds,
-                      int64_t n, torch::Tensor bias, int64_t group_bytes) {
-    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [M, K] float32");
-    x = x.contiguous();
-    const int64_t M = x.size(0), K = x.size(1);
-    TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32");
-    const int64_t T = offsets.size(0) - 1;
+QView qview(const torch::Tensor& data, const torch::Tensor& offsets, const torch::Tensor& kinds, int64_t n,
+            const torch::Tensor& bias) {
+    TORCH_CHECK(data.scalar_type() == torch::kUInt8 && data.is_contiguous(), "data must be contiguous uint8");
+    TORCH_CHECK(offsets.scalar_type() == torch::kInt64 && offsets.is_contiguous() && offsets.numel() >= 2,
+                "offsets must be int64 [T + 1]");
+    const int64_t T = offsets.numel() - 1;
     TORCH_CHECK(n <= 16 * T && n > 16 * (T - 1), "n does not match the tiles");
-    const int64_t nb = K / 32;
+    TORCH_CHECK(kinds.scalar_type() == torch::kUInt8 && kinds.numel() == T, "kinds must be uint8 [T]");
+    const uint8_t* kind = kinds.data_ptr<uint8_t>();
+    for (int64_t t = 0; t < T; ++t) TORCH_CHECK(kind[t] <= kSix, "unknown tile kind");
+    TORCH_CHECK(!bias.numel() || (bias.scalar_type() == torch::kFloat32 && bias.numel() == n), "bias must be [n] f32");
+    return QView{data.data_ptr<uint8_t>(), offsets.data_ptr<int64_t>(), kind, T, n,
+                 bias.numel() ? bias.data_ptr<float>() : nullptr};
+}
+
+void qmatmul_raw(const float* x, int64_t M, int64_t K, const QView& w, float* y, int64_t group_bytes) {
+    TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32");
+    const int64_t nb = K / 32, T = w.tiles, n = w.n;
     // The quantized activations go to buffers of the calling thread, kept between calls (they grow to the
     // largest call, a few MB for a prefill chunk): three tensor allocations fewer a call, of which the draft
     // makes ~100 a step (its matrices, 60 interleaved rounds: M = 1 7.19 -> 6.95 ms in a slow memory phase,
@@ -236,16 +243,12 @@ torch::Tensor qmatmul(torch::Tensor x, torch::Tensor data, torch::Tensor offsets
     int8_t* const xqp = xq_buf.data();
     float* const dxp = scale_buf.data();
     float* const bsp = dxp + M * nb;
-    quantize_rows(x.data_ptr<float>(), M, K, xqp, dxp, bsp);
-    auto y = torch::empty({M, n}, torch::kFloat32);
-    const uint8_t* w = data.data_ptr<uint8_t>();
-    const int64_t* off = offsets.data_ptr<int64_t>();
-    TORCH_CHECK(kinds.scalar_type() == torch::kUInt8 && kinds.numel() == T, "kinds must be uint8 [T]");
-    const uint8_t* kind = kinds.data_ptr<uint8_t>();
-    for (int64_t t = 0; t < T; ++t) TORCH_CHECK(kind[t] <= kSix, "unknown tile kind");
+    quantize_rows(x, M, K, xqp, dxp, bsp);
+    const uint8_t* const wp = w.data;
+    const int64_t* const off = w.offsets;
+    const uint8_t* const kind = w.kinds;
+    const float* const bp = w.bias;
     const int64_t per_super = super_blocks(nb);
-    const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
-    float* yp = y.data_ptr<float>();
     // Tiles are processed in groups whose weights stay in cache while every row chunk passes over them.
     const int64_t tile_bytes = std::max<int64_t>(1, (off[T] - off[0]) / T);
     const int64_t group = std::max<int64_t>(1, group_bytes / tile_bytes);
@@ -258,12 +261,23 @@ torch::Tensor qmatmul(torch::Tensor x, torch::Tensor data, torch::Tensor offsets
                 const int rows = (int)std::min<int64_t>(chunk, M - r0);
                 for (int64_t t = t0; t < t1; ++t) {
                     const int valid = (int)std::min<int64_t>(16, n - 16 * t);
-                    kTile[kind[t]][rows](w + off[t], nb, per_super, xqp + r0 * K, dxp + r0 * nb, bsp + r0 * nb, K,
-                                yp + r0 * n + 16 * t, n, valid, bp ? bp + 16 * t : nullptr);
+                    kTile[kind[t]][rows](wp + off[t], nb, per_super, xqp + r0 * K, dxp + r0 * nb, bsp + r0 * nb, K,
+                                         y + r0 * n + 16 * t, n, valid, bp ? bp + 16 * t : nullptr);
                 }
             }
         }
     });
+}
+
+// x: [M, K] f32; data: uint8 (all tiles); offsets: int64 [T + 1] byte offset of each tile; kinds: uint8 [T]
+// (Kind above); n: output features (<= 16 T); bias: [n] f32 or empty. -> y [M, n] f32
+torch::Tensor qmatmul(torch::Tensor x, torch::Tensor data, torch::Tensor offsets, torch::Tensor kinds,
+                      int64_t n, torch::Tensor bias, int64_t group_bytes) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [M, K] float32");
+    x = x.contiguous();
+    const QView w = qview(data, offsets, kinds, n, bias);
+    auto y = torch::empty({x.size(0), n}, torch::kFloat32);
+    qmatmul_raw(x.data_ptr<float>(), x.size(0), x.size(1), w, y.data_ptr<float>(), group_bytes);
     return y;
 }
 

@@ -21,43 +21,57 @@ using jllm::tail_mask;
 
 }  // namespace
 
+namespace {
+
+// One row: y = x / sqrt(mean(x^2) + eps) * w (y may be x: the row is read whole before it is written).
+inline void norm_row(const float* x, int64_t D, const float* w, float eps, float* y) {
+    __m512 ss = _mm512_setzero_ps();
+    for (int64_t i = 0; i < D; i += 16) {
+        const __m512 v = _mm512_maskz_loadu_ps(tail_mask(D - i), x + i);
+        ss = _mm512_fmadd_ps(v, v, ss);
+    }
+    const float scale = 1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / (float)D + eps);
+    const __m512 s = _mm512_set1_ps(scale);
+    for (int64_t i = 0; i < D; i += 16) {
+        const __mmask16 m = tail_mask(D - i);
+        _mm512_mask_storeu_ps(y + i, m, _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), s),
+                                                      _mm512_maskz_loadu_ps(m, w + i)));
+    }
+}
+
+}  // namespace
+
+void rms_norm_raw(const float* x, int64_t R, int64_t D, const float* w, float eps, float* y) {
+    for (int64_t r = 0; r < R; ++r) norm_row(x + r * D, D, w, eps, y + r * D);
+}
+
+// The residual add and the next norm in one pass: x += a, then y = rms_norm(x) (the same sums, in the same
+// order, as an add followed by rms_norm_raw). Without w (null) only the add.
+void add_rms_norm_raw(float* x, const float* a, int64_t R, int64_t D, const float* w, float eps, float* y) {
+    for (int64_t r = 0; r < R; ++r) {
+        float* xr = x + r * D;
+        const float* ar = a + r * D;
+        for (int64_t i = 0; i < D; i += 16) {
+            const __mmask16 m = tail_mask(D - i);
+            _mm512_mask_storeu_ps(xr + i, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, xr + i), _mm512_maskz_loadu_ps(m, ar + i)));
+        }
+        if (w) norm_row(xr, D, w, eps, y + r * D);
+    }
+}
+
 // x: [R, D] -> x / sqrt(mean(x^2) + eps) * w, per row (q/k norms pass [T * heads, head_dim]).
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
     TORCH_CHECK(x.scalar_type() == torch::kFloat32 && w.scalar_type() == torch::kFloat32, "float32 only");
     x = x.contiguous();
     const int64_t D = w.numel();
     TORCH_CHECK(x.numel() % D == 0, "rms_norm: width mismatch");
-    const int64_t R = x.numel() / D;
     auto y = torch::empty_like(x);
-    const float* xp = x.data_ptr<float>();
-    const float* wp = w.data_ptr<float>();
-    float* yp = y.data_ptr<float>();
-    for (int64_t r = 0; r < R; ++r) {
-        const float* xr = xp + r * D;
-        __m512 ss = _mm512_setzero_ps();
-        for (int64_t i = 0; i < D; i += 16) {
-            const __m512 v = _mm512_maskz_loadu_ps(tail_mask(D - i), xr + i);
-            ss = _mm512_fmadd_ps(v, v, ss);
-        }
-        const float scale = 1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / (float)D + (float)eps);
-        const __m512 s = _mm512_set1_ps(scale);
-        for (int64_t i = 0; i < D; i += 16) {
-            const __mmask16 m = tail_mask(D - i);
-            _mm512_mask_storeu_ps(yp + r * D + i, m, _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, xr + i), s),
-                                                                   _mm512_maskz_loadu_ps(m, wp + i)));
-        }
-    }
+    rms_norm_raw(x.data_ptr<float>(), x.numel() / D, D, w.contiguous().data_ptr<float>(), (float)eps,
+                 y.data_ptr<float>());
     return y;
 }
 
-// gu: [T, 2F] (gate | up) -> act(gate) * up, act = silu, or gelu (tanh approximation) when gelu is true.
-torch::Tensor glu(torch::Tensor gu, bool gelu) {
-    TORCH_CHECK(gu.dim() == 2 && gu.scalar_type() == torch::kFloat32 && gu.size(1) % 2 == 0, "gu [T, 2F] float32");
-    gu = gu.contiguous();
-    const int64_t T = gu.size(0), F = gu.size(1) / 2;
-    auto y = torch::empty({T, F}, torch::kFloat32);
-    const float* p = gu.data_ptr<float>();
-    float* yp = y.data_ptr<float>();
+void glu_raw(const float* p, int64_t T, int64_t F, bool gelu, float* yp) {
     const __m512 one = _mm512_set1_ps(1.0f), half = _mm512_set1_ps(0.5f);
     const __m512 c0 = _mm512_set1_ps(0.7978845608028654f), c1 = _mm512_set1_ps(0.044715f);
     for (int64_t t = 0; t < T; ++t) {
@@ -78,35 +92,34 @@ torch::Tensor glu(torch::Tensor gu, bool gelu) {
             _mm512_mask_storeu_ps(yp + t * F + i, m, _mm512_mul_ps(a, _mm512_maskz_loadu_ps(m, u + i)));
         }
     }
+}
+
+// gu: [T, 2F] (gate | up) -> act(gate) * up, act = silu, or gelu (tanh approximation) when gelu is true.
+torch::Tensor glu(torch::Tensor gu, bool gelu) {
+    TORCH_CHECK(gu.dim() == 2 && gu.scalar_type() == torch::kFloat32 && gu.size(1) % 2 == 0, "gu [T, 2F] float32");
+    gu = gu.contiguous();
+    const int64_t T = gu.size(0), F = gu.size(1) / 2;
+    auto y = torch::empty({T, F}, torch::kFloat32);
+    glu_raw(gu.data_ptr<float>(), T, F, gelu, y.data_ptr<float>());
     return y;
 }
 
-// Rotary position embedding of q and k for T new tokens at positions start.., and the cache write of k and v.
-// q: [T, H, D], k, v: [T, Hk, D] (any row strides, unit stride in D); cos, sin: [T, rope_dim / 2];
-// kc, vc: [Hk, L, D] (one layer of the cache). neox: rotate halves (x_i, x_{i + rope_dim/2}); else adjacent
-// pairs (x_{2i}, x_{2i+1}). Dimensions past rope_dim pass through. Returns the rotated q as [T, H, D].
-torch::Tensor rope_store(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
-                         bool neox, int64_t rope_dim, torch::Tensor kc, torch::Tensor vc, int64_t start) {
-    TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "unit stride in the head dimension");
-    TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && cos.is_contiguous() && sin.is_contiguous(),
-                "contiguous cache and tables");
-    const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hk = k.size(1), L = kc.size(1);
-    TORCH_CHECK(start + T <= L, "the cache is full");
-    const int64_t half = rope_dim / 2;
-    auto qo = torch::empty({T, H, D}, torch::kFloat32);
-    const float* cp = cos.data_ptr<float>();
-    const float* sp = sin.data_ptr<float>();
+void rope_store_raw(const float* q, int64_t qs, const float* k, int64_t ks, const float* v, int64_t vs, int64_t T,
+                    int64_t H, int64_t Hk, int64_t D, const float* cp, const float* sp, bool neox, int64_t rope_dim,
+                    void* kc, void* vc, bool half, int64_t L, int64_t start, float* qo) {
+    TORCH_CHECK(D <= 1024, "head dimension above 1024");
+    const int64_t hr = rope_dim / 2;
     auto rotate = [&](const float* x, float* y, int64_t t) {
-        const float* c = cp + t * half;
-        const float* s = sp + t * half;
+        const float* c = cp + t * hr;
+        const float* s = sp + t * hr;
         if (neox) {
-            for (int64_t i = 0; i < half; ++i) {
-                const float a = x[i], b = x[i + half];
+            for (int64_t i = 0; i < hr; ++i) {
+                const float a = x[i], b = x[i + hr];
                 y[i] = a * c[i] - b * s[i];
-                y[i + half] = b * c[i] + a * s[i];
+                y[i + hr] = b * c[i] + a * s[i];
             }
         } else {
-            for (int64_t i = 0; i < half; ++i) {
+            for (int64_t i = 0; i < hr; ++i) {
                 const float a = x[2 * i], b = x[2 * i + 1];
                 y[2 * i] = a * c[i] - b * s[i];
                 y[2 * i + 1] = b * c[i] + a * s[i];
@@ -114,31 +127,44 @@ torch::Tensor rope_store(torch::Tensor q, torch::Tensor k, torch::Tensor v, torc
         }
         for (int64_t i = rope_dim; i < D; ++i) y[i] = x[i];
     };
-    const float* qp = q.data_ptr<float>();
-    const float* kp = k.data_ptr<float>();
-    const float* vp = v.data_ptr<float>();
-    float* qop = qo.data_ptr<float>();
-    const bool f16 = half_cache(kc, vc);
-    std::vector<float> row(D);
-    // a row of the cache: f32 as is, or f16 rounded to nearest
-    auto store = [&](const float* x, torch::Tensor& cache, int64_t at) {
-        if (f16) {
-            c10::Half* d = cache.data_ptr<c10::Half>() + at;
+    // a row of the cache: f32 as is, or f16 rounded to nearest even
+    auto store = [&](const float* x, void* cache, int64_t at) {
+        if (half) {
+            c10::Half* d = static_cast<c10::Half*>(cache) + at;
             int64_t i = 0;
             for (; i + 16 <= D; i += 16)        // round to nearest even, as c10::Half below
                 _mm256_storeu_si256((__m256i*)(d + i), _mm512_cvtps_ph(_mm512_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
             for (; i < D; ++i) d[i] = c10::Half(x[i]);
         } else {
-            std::copy(x, x + D, cache.data_ptr<float>() + at);
+            std::copy(x, x + D, static_cast<float*>(cache) + at);
         }
     };
+    alignas(64) float row[1024];
     for (int64_t t = 0; t < T; ++t) {
-        for (int64_t h = 0; h < H; ++h) rotate(qp + t * q.stride(0) + h * q.stride(1), qop + (t * H + h) * D, t);
+        for (int64_t h = 0; h < H; ++h) rotate(q + t * qs + h * D, qo + (t * H + h) * D, t);
         for (int64_t h = 0; h < Hk; ++h) {
-            rotate(kp + t * k.stride(0) + h * k.stride(1), row.data(), t);
-            store(row.data(), kc, (h * L + start + t) * D);
-            store(vp + t * v.stride(0) + h * v.stride(1), vc, (h * L + start + t) * D);
+            rotate(k + t * ks + h * D, row, t);
+            store(row, kc, (h * L + start + t) * D);
+            store(v + t * vs + h * D, vc, (h * L + start + t) * D);
         }
     }
+}
+
+// Rotary position embedding of q and k for T new tokens at positions start.., and the cache write of k and v.
+// q: [T, H, D], k, v: [T, Hk, D] (any row strides, heads D apart); cos, sin: [T, rope_dim / 2];
+// kc, vc: [Hk, L, D] (one layer of the cache). neox: rotate halves (x_i, x_{i + rope_dim/2}); else adjacent
+// pairs (x_{2i}, x_{2i+1}). Dimensions past rope_dim pass through. Returns the rotated q as [T, H, D].
+torch::Tensor rope_store(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
+                         bool neox, int64_t rope_dim, torch::Tensor kc, torch::Tensor vc, int64_t start) {
+    const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hk = k.size(1), L = kc.size(1);
+    TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1 && q.stride(1) == D && k.stride(1) == D &&
+                v.stride(1) == D, "heads D apart, unit stride in the head dimension");
+    TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && cos.is_contiguous() && sin.is_contiguous(),
+                "contiguous cache and tables");
+    TORCH_CHECK(start + T <= L, "the cache is full");
+    auto qo = torch::empty({T, H, D}, torch::kFloat32);
+    rope_store_raw(q.data_ptr<float>(), q.stride(0), k.data_ptr<float>(), k.stride(0), v.data_ptr<float>(),
+                   v.stride(0), T, H, Hk, D, cos.data_ptr<float>(), sin.data_ptr<float>(), neox, rope_dim,
+                   kc.data_ptr(), vc.data_ptr(), half_cache(kc, vc), L, start, qo.data_ptr<float>());
     return qo;
 }

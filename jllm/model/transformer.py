@@ -81,6 +81,9 @@ class Transformer:
                             [t for m in mats[i] for t in (m.data, m.offsets, m.kinds, m.bias)],
                             [m.out_features for m in mats[i]], cos, sin,
                             c.sliding_window if c.is_sliding(i) else 0)
+        if isinstance(w.output, QLinear):         # the final norm and the output layer in the same call
+            o = w.output
+            stack.set_head(w.output_norm.contiguous(), o.data, o.offsets, o.kinds, o.out_features, o.bias)
         return stack
 
     def new_cache(self, max_tokens: int, dtype: torch.dtype | None = None) -> KVCache:
@@ -101,6 +104,10 @@ class Transformer:
         x = w.embed(tokens)                                                   # x: [T, D]
         if self.embed_scale is not None:
             x = x * self.embed_scale
+        if self.stack is not None and self.stack.has_head():
+            logits = self.stack.forward(x, cache.k, cache.v, start, last_only)
+            cache.length = start + T
+            return logits
         if self.stack is not None:
             x = self.stack.forward(x, cache.k, cache.v, start)
         else:
