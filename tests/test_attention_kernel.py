@@ -34,15 +34,20 @@ def test_matches_sdpa(H, Hk, D, window):
 
 
 @pytest.mark.parametrize("D", [64, 128, 24])
-def test_each_query_is_independent_of_the_others(D):
-    g = torch.Generator().manual_seed(D)
-    H, Hk, L, start, T = 8, 2, 300, 200, 10
+@pytest.mark.parametrize("T,window", [(10, 0), (40, 0), (40, 21)])
+def test_each_query_is_independent_of_the_others(D, T, window):
+    """A query's output is bitwise the same alone, with a verify pass's few others, or in a prefill chunk
+    that spans several work items (16 queries each) — also under a sliding window, where the queries of one
+    item see different first keys and the key blocks they share start before some of them."""
+    g = torch.Generator().manual_seed(D + T + window)
+    H, Hk, L, start = 8, 2, 300, 200
     k, v = torch.randn(Hk, L, D, generator=g), torch.randn(Hk, L, D, generator=g)
     q = torch.randn(T, H, D, generator=g)
-    together = qgemm().attention(q, k, v, start, 0, 0.1)
+    together = qgemm().attention(q, k, v, start, window, 0.1)
     for t in range(T):
-        alone = qgemm().attention(q[t:t + 1].clone(), k, v, start + t, 0, 0.1)
+        alone = qgemm().attention(q[t:t + 1].clone(), k, v, start + t, window, 0.1)
         assert torch.equal(alone[0], together[t])
+    torch.testing.assert_close(together, sdpa(q, k, v, start, window, 0.1), rtol=2e-5, atol=2e-5)
 
 
 def test_first_position_attends_to_itself_only():
@@ -132,3 +137,14 @@ def test_a_bad_cache_dtype_is_refused():
     k = torch.zeros(1, 8, 64, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="float32 or float16"):
         qgemm().attention(torch.randn(1, 2, 64), k, k, 0, 0, 0.125)
+
+
+@pytest.mark.parametrize("V", [1, 17, 65536, 151936])
+def test_top_prob_is_argmax_and_its_softmax_probability(V):
+    g = torch.Generator().manual_seed(V)
+    x = torch.randn(V, generator=g) * 4
+    if V > 20:
+        x[V // 3] = x[V // 2] = x.max() + 1            # a tie: the first index wins, as torch.argmax
+    tok, p = qgemm().top_prob(x)
+    assert tok == int(torch.argmax(x))
+    assert p == pytest.approx(torch.softmax(x.double(), -1).max().item(), rel=1e-4)   # f32 sums of ~10^4 a lane

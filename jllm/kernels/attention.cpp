@@ -1,14 +1,21 @@
 // Causal attention for a few new queries over the KV cache on the CPU.
 //
-// Work items are (query, kv head) pairs; each computes its group of query heads over exactly the keys that
-// query sees: scores for 16 keys at a time (one accumulator per key, the 16 sums taken across lanes
-// together, not one horizontal sum per key), a softmax with a vectorised exp, and the weighted sum of value
-// rows for several heads at a time, each value row loaded once for them. Against one key and one head at a
-// time: 2.8x faster for five queries at context 500 with the 1.5B's heads (0.289 -> 0.103 ms a layer, cache
-// in L2; benchmarks/attention_bench.py). An item's instructions and their order do not depend on how many
-// queries share the call, so the verify pass of speculative decoding gets bitwise the result of single
-// decode steps. (torch's SDPA splits work differently for different query counts, so
-// jllm used to call it once per query: ~50 us a call, 13 ms of a 9-token verify pass on the 1.5B.)
+// A work item is one kv head and up to 16 of the new queries (a verify pass's queries all in one item; a
+// prefill chunk's in slices). Keys and values are converted to f32 once per block of rows, in L1, and each
+// block serves every query and query head of the item. Scores are computed for 16 keys at a time (one
+// accumulator per key, the 16 sums taken across lanes together, not one horizontal sum per key), then a
+// softmax with a vectorised exp over each query's own keys, then the weighted sum of value rows for several
+// heads at a time, each value row loaded once for them.
+// What a query gets does not depend on the other queries of its call: a key's score is summed by the same
+// tree in every lane, whatever block it sits in; the softmax runs over the query's keys from its own first
+// one; the value sums run key by key in order. So the verify pass of speculative decoding gets bitwise the
+// result of single decode steps. (torch's SDPA splits work differently for different query counts, so jllm
+// used to call it once per query: ~50 us a call, 13 ms of a 9-token verify pass on the 1.5B.)
+// Against an item per (query, kv head) that converted each key for every query head (the kernel before
+// session 9, bitwise the same results; medians of 200 calls, f16 cache, context 300): the 1.5B's 12 / 2 heads
+// of 128, five queries 72.9 -> 60.9 us, one 16.4 -> 16.0; the 0.5B's 14 / 2 heads of 64, one query 11.9 ->
+// 10.3, two 21.5 -> 17.0; a 256-query prefill chunk 5.13 -> 4.17 ms. Most of what remains is the
+// multiply-adds themselves (one 512-bit FMA a cycle on Zen 4).
 // The cache holds keys and values in f32 or f16 (half the bytes to read per step; converted to f32 on load,
 // exactly, so the arithmetic is the same).
 
@@ -32,7 +39,7 @@ using jllm::tail_mask;
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
 
-// Sums of 16 vectors: lane j of the result is the sum of the lanes of a[j], always in the same order.
+// Sums of 16 vectors: lane j of the result is the sum of the lanes of a[j], by the same tree for every j.
 inline __m512 transpose_sum(__m512 a[16]) {
     __m512 s[8], t[4], u[2];
     for (int i = 0; i < 8; ++i)          // each 128-bit lane: a[2i] lanes 0+2, a[2i+1] 0+2, a[2i] 1+3, a[2i+1] 1+3
@@ -45,80 +52,6 @@ inline __m512 transpose_sum(__m512 a[16]) {
         u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88),
                              _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
     return _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
-}
-
-// out[p] = sum_j w[p * n + j] v_j * inv[p] for P heads (their weights n apart), D = 16 C.
-template <int D, int P, typename E>
-inline void values(const float* w, int64_t n, const E* v, const float* inv, float* out) {
-    constexpr int C = D / 16;
-    __m512 acc[P][C];
-    for (int p = 0; p < P; ++p)
-        for (int c = 0; c < C; ++c) acc[p][c] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < n; ++j) {
-        const E* vj = v + j * D;
-        __m512 vr[C];
-        for (int c = 0; c < C; ++c) vr[c] = load16(vj + 16 * c);
-        for (int p = 0; p < P; ++p) {
-            const __m512 wj = _mm512_set1_ps(w[p * n + j]);
-            for (int c = 0; c < C; ++c) acc[p][c] = _mm512_fmadd_ps(wj, vr[c], acc[p][c]);
-        }
-    }
-    for (int p = 0; p < P; ++p)
-        for (int c = 0; c < C; ++c)
-            _mm512_storeu_ps(out + p * D + 16 * c, _mm512_mul_ps(acc[p][c], _mm512_set1_ps(inv[p])));
-}
-
-// One (query, kv head) item for head dimension D (a multiple of 16), G query heads in the group.
-template <int D, typename E>
-void item(const float* q, const E* k, const E* v, int64_t n, int64_t G, float scale, float* out,
-          std::vector<float>& w) {
-    constexpr int C = D / 16;
-    alignas(64) static const E zero[D] = {};
-    w.resize((size_t)(G * n + 16 + G));              // scores of each head, then 1 / sum of each head
-    float* inv = w.data() + G * n + 16;
-    const __m512 vscale = _mm512_set1_ps(scale);
-    // scores: w[g * n + j] = scale * q_g . k_j, for 16 keys at a time: one accumulator per key, summed across
-    // lanes together (a key past the end reads zeros and its score is not stored)
-    for (int64_t j0 = 0; j0 < n; j0 += 16) {
-        const E* kr[16];
-        for (int i = 0; i < 16; ++i) kr[i] = j0 + i < n ? k + (j0 + i) * D : zero;
-        const __mmask16 m = tail_mask(n - j0);
-        for (int64_t g = 0; g < G; ++g) {
-            __m512 acc[16];
-            const __m512 q0 = _mm512_loadu_ps(q + g * D);
-            for (int i = 0; i < 16; ++i) acc[i] = _mm512_mul_ps(q0, load16(kr[i]));
-            for (int c = 1; c < C; ++c) {
-                const __m512 qc = _mm512_loadu_ps(q + g * D + 16 * c);
-                for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(qc, load16(kr[i] + 16 * c), acc[i]);
-            }
-            _mm512_mask_storeu_ps(w.data() + g * n + j0, m, _mm512_mul_ps(transpose_sum(acc), vscale));
-        }
-    }
-    // softmax of each head's n scores, 16 at a time (the tail masked); inv[g] = 1 / sum
-    for (int64_t g = 0; g < G; ++g) {
-        float* wg = w.data() + g * n;
-        __m512 mx = _mm512_set1_ps(-INFINITY);
-        for (int64_t j = 0; j < n; j += 16) {
-            const __mmask16 m = tail_mask(n - j);
-            mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, wg + j));
-        }
-        const __m512 vmax = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t j = 0; j < n; j += 16) {
-            const __mmask16 m = tail_mask(n - j);
-            __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, wg + j), vmax));
-            e = _mm512_maskz_mov_ps(m, e);
-            _mm512_mask_storeu_ps(wg + j, m, e);
-            sum = _mm512_add_ps(sum, e);
-        }
-        inv[g] = 1.0f / _mm512_reduce_add_ps(sum);
-    }
-    // out_g = sum_j w_j v_j / sum, for P heads at a time sharing each value row's loads (P = 16 / C registers
-    // of accumulators, the rest of the group one head at a time; every head's sums run in the same order)
-    constexpr int P = C >= 16 ? 1 : 16 / C;
-    int64_t g = 0;
-    for (; g + P <= G; g += P) values<D, P, E>(w.data() + g * n, n, v, inv + g, out + g * D);
-    for (; g < G; ++g) values<D, 1, E>(w.data() + g * n, n, v, inv + g, out + g * D);
 }
 
 // Any head dimension: the same steps with scalar tails (the tiny test models use odd sizes).
@@ -147,10 +80,139 @@ void item_any(const float* q, const E* k, const E* v, int64_t n, int64_t G, int6
     }
 }
 
+// The queries t0 .. t1 - 1 of one kv head, for a head dimension D of 64, 128 or 256. Keys are converted 16 at
+// a time, values VB at a time; the value sums of a query head wait in `out` between blocks (storing a float
+// and loading it back is exact, so the sums are those of one pass over the keys).
+template <int D>
+struct Grouped {
+    static constexpr int C = D / 16;
+    static constexpr int P = C >= 28 ? 1 : 28 / C;     // query heads whose value sums fit the registers
+    static constexpr int VB = 32;                       // value rows converted at a time
+
+    // out[p] += sum_{j < cnt} w[p][j] v_j for P heads (their weights `stride` apart; v rows in f32)
+    template <int PP>
+    static void values(const float* w, int64_t stride, const float* v, int64_t cnt, float* out) {
+        __m512 acc[PP][C];
+        for (int p = 0; p < PP; ++p)
+            for (int c = 0; c < C; ++c) acc[p][c] = _mm512_loadu_ps(out + p * D + 16 * c);
+        for (int64_t j = 0; j < cnt; ++j) {
+            const float* vj = v + j * D;
+            for (int p = 0; p < PP; ++p) {
+                const __m512 wj = _mm512_set1_ps(w[p * stride + j]);
+                for (int c = 0; c < C; ++c) acc[p][c] = _mm512_fmadd_ps(wj, _mm512_loadu_ps(vj + 16 * c), acc[p][c]);
+            }
+        }
+        for (int p = 0; p < PP; ++p)
+            for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + p * D + 16 * c, acc[p][c]);
+    }
+
+    template <typename E>
+    static void run(const float* qp, const E* k, const E* v, int64_t t0, int64_t t1, int64_t start, int64_t window,
+                    int64_t H, int64_t hk, int64_t G, float scale, float* op, std::vector<float>& buf) {
+        auto first = [&](int64_t t) { return window > 0 ? std::max<int64_t>(0, start + t - window + 1) : 0; };
+        const int64_t jlo = first(t0), jhi = start + t1;           // keys any of the queries sees
+        const int64_t nq = t1 - t0, stride = jhi - jlo + 32;       // a score row: 16 floats of slack each side
+        buf.resize((size_t)(nq * G * stride + nq * G));
+        float* scores = buf.data();
+        float* inv = scores + nq * G * stride;
+        alignas(64) thread_local float kb[16 * D];                 // 16 keys in f32 (aligned: whole-line loads)
+        alignas(64) thread_local float vb[VB * D];                 // VB values in f32
+        auto row = [&](int64_t t, int64_t g) { return scores + ((t - t0) * G + g) * stride + 16; };
+        const __m512 vscale = _mm512_set1_ps(scale);
+        for (int64_t j0 = jlo; j0 < jhi; j0 += 16) {
+            for (int i = 0; i < 16; ++i)
+                for (int c = 0; c < C; ++c)
+                    _mm512_storeu_ps(kb + i * D + 16 * c,
+                                     j0 + i < jhi ? load16(k + (j0 + i) * D + 16 * c) : _mm512_setzero_ps());
+            for (int64_t t = t0; t < t1; ++t) {
+                const int64_t lo = first(t), end = start + t + 1;      // this query's keys: lo .. end - 1
+                if (j0 + 16 <= lo || j0 >= end) continue;
+                // lanes of the keys it sees; the row holds key j at j - lo
+                const __mmask16 m = (__mmask16)(tail_mask(end - j0) & ~tail_mask(std::max<int64_t>(0, lo - j0)));
+                for (int64_t g = 0; g < G; ++g) {
+                    const float* qg = qp + (t * H + hk * G + g) * D;
+                    __m512 acc[16];
+                    const __m512 q0 = _mm512_loadu_ps(qg);
+                    for (int i = 0; i < 16; ++i) acc[i] = _mm512_mul_ps(q0, _mm512_loadu_ps(kb + i * D));
+                    for (int c = 1; c < C; ++c) {
+                        const __m512 qc = _mm512_loadu_ps(qg + 16 * c);
+                        for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(kb + i * D + 16 * c), acc[i]);
+                    }
+                    _mm512_mask_storeu_ps(row(t, g) + (j0 - lo), m, _mm512_mul_ps(transpose_sum(acc), vscale));
+                }
+            }
+        }
+        // softmax of each query head's scores over its own keys
+        for (int64_t t = t0; t < t1; ++t) {
+            const int64_t n = start + t + 1 - first(t);
+            for (int64_t g = 0; g < G; ++g) {
+                float* wg = row(t, g);
+                __m512 mx = _mm512_set1_ps(-INFINITY);
+                for (int64_t j = 0; j < n; j += 16) {
+                    const __mmask16 m = tail_mask(n - j);
+                    mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, wg + j));
+                }
+                const __m512 vmax = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+                __m512 sum = _mm512_setzero_ps();
+                for (int64_t j = 0; j < n; j += 16) {
+                    const __mmask16 m = tail_mask(n - j);
+                    __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, wg + j), vmax));
+                    e = _mm512_maskz_mov_ps(m, e);
+                    _mm512_mask_storeu_ps(wg + j, m, e);
+                    sum = _mm512_add_ps(sum, e);
+                }
+                inv[(t - t0) * G + g] = 1.0f / _mm512_reduce_add_ps(sum);
+                float* o = op + (t * H + hk * G + g) * D;
+                for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_setzero_ps());
+            }
+        }
+        // values, VB keys at a time; each query head's sums run over its keys in order
+        for (int64_t j0 = jlo; j0 < jhi; j0 += VB) {
+            const int64_t nb = std::min<int64_t>(VB, jhi - j0);
+            for (int64_t i = 0; i < nb; ++i)
+                for (int c = 0; c < C; ++c) _mm512_storeu_ps(vb + i * D + 16 * c, load16(v + (j0 + i) * D + 16 * c));
+            for (int64_t t = t0; t < t1; ++t) {
+                const int64_t lo = first(t), end = start + t + 1;
+                const int64_t a = std::max(j0, lo), b = std::min(j0 + nb, end);
+                if (a >= b) continue;
+                float* o = op + (t * H + hk * G) * D;
+                int64_t g = 0;
+                for (; g + P <= G; g += P) values<P>(row(t, g) + (a - lo), stride, vb + (a - j0) * D, b - a, o + g * D);
+                for (; g < G; ++g) values<1>(row(t, g) + (a - lo), stride, vb + (a - j0) * D, b - a, o + g * D);
+            }
+        }
+        for (int64_t t = t0; t < t1; ++t)
+            for (int64_t g = 0; g < G; ++g) {
+                float* o = op + (t * H + hk * G + g) * D;
+                const __m512 s = _mm512_set1_ps(inv[(t - t0) * G + g]);
+                for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(o + 16 * c), s));
+            }
+    }
+};
+
+constexpr int64_t kQueries = 16;     // queries of a kv head in one work item (verify passes: all of them)
+
 template <typename E>
 void attend(const float* qp, const E* kp, const E* vp, float* op, int64_t T, int64_t H, int64_t Hk, int64_t D,
             int64_t L, int64_t start, int64_t window, float sc) {
     const int64_t G = H / Hk;
+    if (D == 64 || D == 128 || D == 256) {
+        const int64_t chunks = (T + kQueries - 1) / kQueries;
+        at::parallel_for(0, Hk * chunks, 1, [&](int64_t i0, int64_t i1) {
+            thread_local std::vector<float> buf;        // scores and converted rows, kept between calls
+            for (int64_t it = i0; it < i1; ++it) {
+                const int64_t hk = it / chunks, t0 = it % chunks * kQueries, t1 = std::min(T, t0 + kQueries);
+                const E* kh = kp + hk * L * D;
+                const E* vh = vp + hk * L * D;
+                switch (D) {
+                    case 64: Grouped<64>::run(qp, kh, vh, t0, t1, start, window, H, hk, G, sc, op, buf); break;
+                    case 128: Grouped<128>::run(qp, kh, vh, t0, t1, start, window, H, hk, G, sc, op, buf); break;
+                    default: Grouped<256>::run(qp, kh, vh, t0, t1, start, window, H, hk, G, sc, op, buf);
+                }
+            }
+        });
+        return;
+    }
     at::parallel_for(0, T * Hk, 1, [&](int64_t i0, int64_t i1) {
         thread_local std::vector<float> w;          // scores, kept between calls
         for (int64_t it = i0; it < i1; ++it) {
@@ -162,12 +224,7 @@ void attend(const float* qp, const E* kp, const E* vp, float* op, int64_t T, int
             const E* kh = kp + (hk * L + lo) * D;
             const E* vh = vp + (hk * L + lo) * D;
             float* o = op + (t * H + hk * G) * D;
-            switch (D) {
-                case 64: item<64, E>(qg, kh, vh, n, G, sc, o, w); break;
-                case 128: item<128, E>(qg, kh, vh, n, G, sc, o, w); break;
-                case 256: item<256, E>(qg, kh, vh, n, G, sc, o, w); break;
-                default: item_any<E>(qg, kh, vh, n, G, D, sc, o, w);
-            }
+            item_any<E>(qg, kh, vh, n, G, D, sc, o, w);
         }
     });
 }

@@ -125,9 +125,12 @@ public:
     }
 
 private:
+    // n floats starting on a cache line (a vector's own start is 16-byte aligned: the kernels' 64-byte loads
+    // would straddle lines)
     static float* grow(std::vector<float>& buf, int64_t n) {
-        if ((int64_t)buf.size() < n) buf.resize((size_t)n);
-        return buf.data();
+        if ((int64_t)buf.size() < n + 16) buf.resize((size_t)(n + 16));
+        const uintptr_t p = reinterpret_cast<uintptr_t>(buf.data());
+        return reinterpret_cast<float*>((p + 63) & ~(uintptr_t)63);
     }
 
     int64_t H, Hk, hd;

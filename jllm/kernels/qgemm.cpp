@@ -251,7 +251,12 @@ void qmatmul_raw(const float* x, int64_t M, int64_t K, const QView& w, float* y,
     const int64_t per_super = super_blocks(nb);
     // Tiles are processed in groups whose weights stay in cache while every row chunk passes over them.
     const int64_t tile_bytes = std::max<int64_t>(1, (off[T] - off[0]) / T);
-    const int64_t group = std::max<int64_t>(1, group_bytes / tile_bytes);
+    // With one chunk of rows (M <= kMaxRows: decode steps, verify passes) there is nothing to reuse: the
+    // threads take equal halves of the tiles. Groups of 96 KiB split the draft's smaller matrices 4 : 3
+    // (its attention projections are 7 groups), and the thread with less work waited. All draft matrices,
+    // 59 interleaved rounds: M = 1 4.95 -> 4.85 ms; the target's M = 1 / 3 / 5 29.11 / 30.70 / 31.54 ->
+    // 29.05 / 30.64 / 31.14 (benchmarks/kernel_variants.py).
+    const int64_t group = M <= kMaxRows ? 1 : std::max<int64_t>(1, group_bytes / tile_bytes);
     const int64_t ngroups = (T + group - 1) / group;
     at::parallel_for(0, ngroups, 1, [&](int64_t g0, int64_t g1) {
         for (int64_t g = g0; g < g1; ++g) {
@@ -286,6 +291,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("attention", &attention, "causal attention over the cache, one (query, kv head) item at a time");
     m.def("rms_norm", &rms_norm, "RMS norm per row");
     m.def("glu", &glu, "act(gate) * up, act silu or gelu-tanh");
+    m.def("top_prob", &top_prob, "argmax of a logits row and its softmax probability");
     m.def("rope_store", &rope_store, "rotary embedding of q and k, k and v written to the cache");
     register_stack(m);
 }

@@ -89,6 +89,8 @@ class DraftRunner:
         self.ids: list[int] = []
         self.device = model.device
         self.forwards, self.step_s, self.synced = 0, None, 0      # of the latest propose() and sync()
+        kernels = getattr(model, "kernels", None)
+        self.top_prob = kernels.top_prob if kernels is not None else None   # argmax and its probability
 
     def sync(self, context: list[int]) -> torch.Tensor:
         """Make the cache hold `context`; returns the logits after its last token."""
@@ -114,7 +116,9 @@ class DraftRunner:
         threshold = p_min if params.greedy else p_min * 0.5
         drafts, qs, chain = [], [], 1.0
         for i in range(k):
-            if params.greedy:
+            if params.greedy and self.top_prob is not None:
+                tok, p = self.top_prob(logits.float())
+            elif params.greedy:
                 top_p, tok = torch.softmax(logits.float(), -1).max(-1)
                 tok, p = int(tok), top_p.item()
             else:
