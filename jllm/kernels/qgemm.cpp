@@ -48,7 +48,11 @@ constexpr int kPrefetch = JLLM_PREFETCH;   // bytes ahead of the block being com
 #ifndef JLLM_PREFETCH_L2
 #define JLLM_PREFETCH_L2 16384
 #endif
-constexpr int kPrefetchL2 = JLLM_PREFETCH_L2;   // and into L2, when several rows are computed
+constexpr int kPrefetchL2 = JLLM_PREFETCH_L2;   // and far ahead (T1), when kFarRows or more rows are computed
+#ifndef JLLM_FAR_ROWS
+#define JLLM_FAR_ROWS 3
+#endif
+constexpr int kFarRows = JLLM_FAR_ROWS;
 
 #ifdef JLLM_GFNI
 constexpr bool kGfni = true;      // GFNI unpacks nibbles for one row (nibbles() says why not for more)
@@ -149,8 +153,12 @@ inline void tile_rows(const uint8_t* w, int64_t nb, int64_t per_super, const int
         // matrices in a fast phase, 137 interleaved rounds, M = 2 / 3 / 4 / 5 went 25.35 / 27.55 / 29.47 /
         // 33.16 -> 22.24 / 23.18 / 25.78 / 30.22 ms (M = 1 19.7); in a slow phase M = 5 35.91 -> 33.20. Without
         // the far prefetch M = 5 is 37.7; 6-8 KiB ahead is no better.
-        if constexpr (R > 1) {
+        // The far prefetch only from three rows: for two it cost 1.5 ms of a step in a slow phase (all target
+        // matrices, 300 interleaved rounds: M = 2 32.35 -> 30.87 ms slow, 23.08 -> 23.04 fast; M = 3 needs it).
+        if constexpr (R >= 2) {
             for (int l = 0; l < lines; ++l) _mm_prefetch((const char*)p + kPrefetch + 64 * l, _MM_HINT_T0);
+        }
+        if constexpr (R >= kFarRows) {
             for (int l = 0; l < lines; ++l) _mm_prefetch((const char*)p + kPrefetchL2 + 64 * l, _MM_HINT_T1);
         }
         const int32_t* xb[R];
