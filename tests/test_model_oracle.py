@@ -166,6 +166,23 @@ def test_exact_two_chunks(tiny):
                           f"prefill {PREFILL} then the rest")
 
 
+def test_embedding_lookup_is_the_same_for_decode_and_prefill_sizes(tiny):
+    """Calls of up to Embedding.SMALL ids go through the dequantized-row cache, longer ones dequantize at once:
+    the same rows either way, and an id outside the vocabulary is a JllmError on both paths."""
+    from jllm.errors import JllmError
+
+    ref, ids, _ = tiny
+    embed = load(ref, "exact").w.embed
+    many = torch.tensor(ids * 2)                          # past SMALL: the direct path
+    assert len(many) > embed.SMALL
+    whole = embed(many)
+    for i in range(0, len(many), 3):
+        assert torch.equal(embed(many[i:i + 3]), whole[i:i + 3])
+    for bad in (torch.tensor([ref.vocab_size]), torch.tensor([-1] + ids)):
+        with pytest.raises(JllmError, match="out of range"):
+            embed(bad)
+
+
 @torch.no_grad()
 def test_exact_after_rollback(tiny):
     """Truncating the cache and feeding the rest again overwrites the rejected positions (speculative decoding)."""

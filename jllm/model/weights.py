@@ -71,11 +71,15 @@ class Embedding:
         self._cache: dict[int, torch.Tensor] = {}         # token id -> dequantized row, oldest first
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.numel() <= self.SMALL:                  # decode steps: recent rows are kept dequantized
+            small = ids.tolist()                       # plain Python: a draft step's lookup runs cold, after
+            if small and (min(small) < 0 or max(small) >= self.rows):   # the weights' stream (numpy: ~0.1 ms)
+                raise JllmError(f"token id out of range 0..{self.rows - 1}")
+            rows = [self._row(i) for i in small]
+            return torch.stack(rows)
         idx = ids.cpu().numpy()
-        if idx.size and (idx.min() < 0 or idx.max() >= self.rows):
+        if idx.min() < 0 or idx.max() >= self.rows:
             raise JllmError(f"token id out of range 0..{self.rows - 1}")
-        if len(idx) <= self.SMALL:                     # decode steps: recent rows are kept dequantized
-            return torch.stack([self._row(int(i)) for i in idx])
         return self._dequantize(idx)
 
     def _row(self, i: int) -> torch.Tensor:
