@@ -111,9 +111,22 @@ def make_generator(seed: int | None) -> torch.Generator:
     return g
 
 
+def argmax(logits: torch.Tensor) -> list[int]:
+    """logits: [R, V] or [V] -> each row's argmax (first index on ties, NaN largest: torch.argmax's rules).
+    On the CPU through jllm's kernel where it is built (0.38 -> ~0.04 ms for a verify pass's 5 x 151,936
+    logits), else torch."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        from jllm.kernels import qgemm
+
+        k = qgemm()
+        if k is not None:
+            return k.argmax_rows(logits)
+    return torch.argmax(logits, -1).reshape(-1).tolist()
+
+
 def sample(logits: torch.Tensor, p: SamplingParams, history: list[int], gen: torch.Generator) -> int:
     """logits: [V] -> token id."""
     if p.greedy:
         logits = apply_repeat_penalty(logits.float(), history, p.repeat_penalty, p.repeat_last_n)
-        return int(torch.argmax(logits))
+        return argmax(logits)[0]
     return int(draw(probs(logits, p, history)[None], gen)[0])

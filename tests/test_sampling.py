@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from jllm.errors import JllmError
-from jllm.sampling import SamplingParams, apply_repeat_penalty, make_generator, probs, sample
+from jllm.sampling import SamplingParams, apply_repeat_penalty, argmax, make_generator, probs, sample
 
 # probabilities 1/2, 1/4, 1/8, 1/8: every partial sum is exact in float32, so top-p edges are sharp
 DYADIC = torch.log(torch.tensor([0.5, 0.25, 0.125, 0.125]))
@@ -30,6 +30,26 @@ def test_greedy_is_argmax():
     for seed in range(5):
         logits = random_logits(seed=seed)
         assert sample(logits, SamplingParams(), [], gen) == int(torch.argmax(logits))
+
+
+@pytest.mark.parametrize("V", [1, 15, 16, 17, 151936])
+def test_argmax_follows_torch_on_ties_nan_and_infinities(V):
+    """argmax (the native kernel where it is built) picks what torch.argmax picks: the first index among
+    equal largest values, a NaN over everything, index 0 when every value is -inf; row by row."""
+    g = torch.Generator().manual_seed(V)
+    rows = [torch.randn(V, generator=g)]
+    if V > 2:
+        tie = torch.randn(V, generator=g)
+        tie[V - 1] = tie[V // 2] = tie.max() + 1               # the lower index wins
+        nan = torch.randn(V, generator=g)
+        nan[V // 2] = nan[V - 1] = float("nan")
+        inf = torch.randn(V, generator=g)
+        inf[V - 2] = float("inf")
+        rows += [tie, nan, inf]
+    rows.append(torch.full((V,), float("-inf")))
+    x = torch.stack(rows)
+    assert argmax(x) == torch.argmax(x, -1).tolist()
+    assert [argmax(r)[0] for r in rows] == [int(torch.argmax(r)) for r in rows]
 
 
 def test_greedy_probs_is_one_hot_at_argmax():

@@ -192,3 +192,45 @@ std::tuple<int64_t, double> top_prob(torch::Tensor logits) {
     }
     return {arg, 1.0 / (double)_mm512_reduce_add_ps(sum)};
 }
+
+// x: [R, V] (or [V]) f32 -> the index of each row's largest value, the first one on ties, a NaN counting as
+// the largest (torch.argmax's rules, so greedy choices are the same as with it). A verify pass's 5 x 151,936
+// logits: 0.38 ms with torch's CPU argmax, 0.10 with this (then bound by reading them from L3).
+std::vector<int64_t> argmax_rows(torch::Tensor x) {
+    TORCH_CHECK(x.scalar_type() == torch::kFloat32 && (x.dim() == 1 || x.dim() == 2) && x.size(-1) > 0,
+                "x must be [R, V] or [V] f32");
+    x = x.contiguous();
+    const int64_t V = x.size(-1), R = x.numel() / V;
+    std::vector<int64_t> out((size_t)R);
+    const __m512i step = _mm512_set1_epi32(16);
+    for (int64_t r = 0; r < R; ++r) {
+        const float* p = x.data_ptr<float>() + r * V;
+        __m512 best = _mm512_set1_ps(-INFINITY);
+        __m512i at = _mm512_set1_epi32(-1), idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        __mmask16 nan = 0;
+        for (int64_t i = 0; i < V; i += 16, idx = _mm512_add_epi32(idx, step)) {
+            const __mmask16 m = tail_mask(V - i);
+            const __m512 v = _mm512_maskz_loadu_ps(m, p + i);
+            nan |= _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q);
+            const __mmask16 gt = _mm512_mask_cmp_ps_mask(m, v, best, _CMP_GT_OQ);   // strictly: a lane keeps its first
+            best = _mm512_mask_mov_ps(best, gt, v);
+            at = _mm512_mask_mov_epi32(at, gt, idx);
+        }
+        int64_t arg = 0;
+        if (nan) {
+            while (!std::isnan(p[arg])) ++arg;
+        } else {
+            alignas(64) float bv[16];
+            alignas(64) int32_t bi[16];
+            _mm512_store_ps(bv, best);
+            _mm512_store_si512(bi, at);
+            float mv = -INFINITY;
+            int64_t mi = -1;
+            for (int l = 0; l < 16; ++l)            // the largest value; among equal ones the lowest index
+                if (bi[l] >= 0 && (mi < 0 || bv[l] > mv || (bv[l] == mv && bi[l] < mi))) mv = bv[l], mi = bi[l];
+            arg = mi < 0 ? 0 : mi;                  // every value -inf: torch gives index 0
+        }
+        out[(size_t)r] = arg;
+    }
+    return out;
+}

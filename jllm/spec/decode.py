@@ -22,6 +22,7 @@ import torch
 from jllm.engine import common_prefix, fill_cache
 from jllm.model.transformer import Transformer
 from jllm.sampling import SamplingParams, make_generator, probs, sample
+from jllm.sampling import argmax as greedy_ids
 from jllm.spec import DRAFT_MAX, DRAFT_MIN, DRAFT_VOCAB, P_MIN
 from jllm.spec.ngram import NgramProposer
 from jllm.spec.rejection import draw, verify_greedy, verify_sampled
@@ -195,7 +196,7 @@ class SpeculativeDecoder:
             out = eng.model.forward(block, eng.cache)                                    # [k+1, V]
             if params.greedy:
                 if params.repeat_penalty == 1.0:               # no history to apply: one call for all rows
-                    argmax = out.argmax(-1).tolist()
+                    argmax = greedy_ids(out)
                 else:
                     argmax = [sample(out[i], params, history + drafts[:i], gen) for i in range(len(drafts) + 1)]
                 n, nxt = verify_greedy(drafts, argmax)
