@@ -57,7 +57,7 @@ def forward_ab(old, which: str, tokens: list[int], rounds: int) -> None:
         model = load_model(resolve("qwen2.5-coder-1.5b"), "cpu", None)
     new_stack, new_kernels = model.stack, model.kernels
 
-    class RevStack:                      # REV's stack behind the working tree's interface: layers only
+    class RevStack:                      # REV's stack (the layers) behind the working tree's interface
         def __init__(self, *a):
             self.s = old.StackRev(*a)
 
@@ -67,11 +67,10 @@ def forward_ab(old, which: str, tokens: list[int], rounds: int) -> None:
         def set_head(self, *a):
             pass
 
-        def has_head(self):
-            return False
-
-        def forward(self, *a):
-            return self.s.forward(*a)
+        def forward(self, x, k, v, start, last_only=False):     # the final norm and output from Python, as then
+            h = self.s.forward(x, k, v, start)
+            h = h[-1:] if last_only else h
+            return model.w.output(old.rms_norm(h, model.w.output_norm, model.cfg.rms_eps))
 
     class RevKernels:
         Stack = RevStack

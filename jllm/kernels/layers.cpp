@@ -57,7 +57,7 @@ public:
         keep.push_back(cos), keep.push_back(sin);
     }
 
-    // The final norm and the output layer: forward then returns logits instead of the hidden states.
+    // The final norm and the output layer (required before forward).
     void set_head(torch::Tensor norm, torch::Tensor data, torch::Tensor offsets, torch::Tensor kinds, int64_t n,
                   torch::Tensor bias) {
         TORCH_CHECK(norm.is_contiguous() && norm.numel() == D, "set_head: the norm's width");
@@ -66,12 +66,11 @@ public:
         keep.insert(keep.end(), {norm, data, offsets, kinds, bias});
     }
 
-    bool has_head() const { return head_norm != nullptr; }
-
     // x: [T, D] for positions start .. start + T - 1; kc, vc: [layers, Hk, L, hd]. -> logits [T, n] (only the last
-    // row's, [1, n], with last_only) when the stack has a head, else x after every layer.
+    // row's, [1, n], with last_only).
     torch::Tensor forward(torch::Tensor x_in, torch::Tensor kc, torch::Tensor vc, int64_t start, bool last_only) {
         std::lock_guard<std::mutex> lock(mu);
+        TORCH_CHECK(head_norm && !layers.empty(), "the stack needs its layers and head before forward");
         TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == D && x_in.scalar_type() == torch::kFloat32, "x must be [T, D] f32");
         TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.dim() == 4 && kc.sizes() == vc.sizes() &&
                     kc.size(0) == (int64_t)layers.size() && kc.size(1) == Hk && kc.size(3) == hd, "cache shape");
@@ -79,8 +78,9 @@ public:
         const int64_t T = x_in.size(0), L = kc.size(2), qd = H * hd, kvd = Hk * hd, W = qd + 2 * kvd;
         TORCH_CHECK(start >= 0 && start + T <= L, "the cache is full");
         for (const Layer& l : layers) TORCH_CHECK(start + T <= l.positions, "past the rotary table");
-        torch::Tensor xt = x_in.contiguous().clone();           // the residual stream
-        float* x = xt.data_ptr<float>();
+        float* x = grow(x_buf, T * D);                            // the residual stream
+        const torch::Tensor xc = x_in.contiguous();
+        std::copy(xc.data_ptr<float>(), xc.data_ptr<float>() + T * D, x);
         float* h = grow(h_buf, T * D);
         float* qkv = grow(qkv_buf, T * W);
         float* q = grow(q_buf, T * qd);
@@ -116,7 +116,6 @@ public:
             // x += a, and the next layer's first norm in the same pass
             add_rms_norm_raw(x, a, T, D, i + 1 < layers.size() ? layers[i + 1].attn_norm : nullptr, eps, h);
         }
-        if (!head_norm) return xt;
         const int64_t rows = last_only ? 1 : T;
         rms_norm_raw(x + (T - rows) * D, rows, D, head_norm, eps, h);
         auto logits = torch::empty({rows, head.n}, torch::kFloat32);
@@ -144,7 +143,7 @@ private:
     QView head{};
     const float* head_norm = nullptr;
     std::vector<torch::Tensor> keep;        // the tensors the pointers above point into
-    std::vector<float> h_buf, qkv_buf, q_buf, att_buf, a_buf, gu_buf, g_buf;
+    std::vector<float> x_buf, h_buf, qkv_buf, q_buf, att_buf, a_buf, gu_buf, g_buf;
     std::mutex mu;
 };
 
@@ -153,7 +152,6 @@ void register_stack(pybind11::module& m) {
         .def(pybind11::init<int64_t, int64_t, int64_t, double, double, bool, int64_t, bool, int64_t>())
         .def("add_layer", &Stack::add_layer)
         .def("set_head", &Stack::set_head)
-        .def("has_head", &Stack::has_head)
         .def("forward", &Stack::forward, pybind11::arg("x"), pybind11::arg("kc"), pybind11::arg("vc"),
              pybind11::arg("start"), pybind11::arg("last_only") = false,
              pybind11::call_guard<pybind11::gil_scoped_release>());

@@ -52,7 +52,7 @@ class Transformer:
         self.rope_local = rope_table(cfg, cfg.rope_base_local, 1.0, n, device) if cfg.sliding_window else None
         self.embed_scale = math.sqrt(cfg.hidden) if cfg.traits.embed_scale else None
         self.kernels = None
-        self.stack = None          # the layers as one native call, when every linear runs on the native kernel
+        self.stack = None          # the forward pass as one native call, when every linear runs on the native kernel
         if device.type == "cpu":
             from jllm.kernels import qgemm
 
@@ -69,7 +69,7 @@ class Transformer:
 
         c, w = self.cfg, self.w
         mats = [(L.qkv, L.o, L.gate_up, L.down) for L in w.layers]
-        if not all(isinstance(m, QLinear) for ms in mats for m in ms):
+        if not all(isinstance(m, QLinear) for ms in mats + [(w.output,)] for m in ms):
             return None
         stack = self.kernels.Stack(c.n_heads, c.n_kv_heads, c.head_dim, c.rms_eps, c.attn_scale,
                                    c.traits.rope_neox, c.rope_dim, c.traits.gelu, GROUP_BYTES)
@@ -81,9 +81,8 @@ class Transformer:
                             [t for m in mats[i] for t in (m.data, m.offsets, m.kinds, m.bias)],
                             [m.out_features for m in mats[i]], cos, sin,
                             c.sliding_window if c.is_sliding(i) else 0)
-        if isinstance(w.output, QLinear):         # the final norm and the output layer in the same call
-            o = w.output
-            stack.set_head(w.output_norm.contiguous(), o.data, o.offsets, o.kinds, o.out_features, o.bias)
+        o = w.output                              # the final norm and the output layer in the same call
+        stack.set_head(w.output_norm.contiguous(), o.data, o.offsets, o.kinds, o.out_features, o.bias)
         return stack
 
     def new_cache(self, max_tokens: int, dtype: torch.dtype | None = None) -> KVCache:
@@ -104,14 +103,11 @@ class Transformer:
         x = w.embed(tokens)                                                   # x: [T, D]
         if self.embed_scale is not None:
             x = x * self.embed_scale
-        if self.stack is not None and self.stack.has_head():
+        if self.stack is not None:                                            # layers, norm, output: one call
             logits = self.stack.forward(x, cache.k, cache.v, start, last_only)
             cache.length = start + T
             return logits
-        if self.stack is not None:
-            x = self.stack.forward(x, cache.k, cache.v, start)
-        else:
-            x = self._layers(x, cache, start)
+        x = self._layers(x, cache, start)
         cache.length = start + T
         if last_only:
             x = x[-1:]
