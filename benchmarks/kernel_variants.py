@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import shutil
 import statistics
 import time
 from pathlib import Path
@@ -27,19 +26,26 @@ from jllm.model.qlinear import GROUP_BYTES
 from jllm.store import resolve
 
 
-def build(flags: list[str], root: Path):
-    """The kernels compiled with extra flags, under a module name of their own."""
-    sources = kernels._SOURCES + kernels._HEADERS
-    key = " ".join(flags) + "".join(s.read_text() for s in sources)
-    name = "jllm_variant_" + hashlib.sha1(key.encode()).hexdigest()[:10]
+def load_sources(texts: dict[str, str], flags: list[str], root: Path, prefix: str):
+    """A kernel module built from the given sources (file name -> text: the .cpp files and headers of
+    jllm/kernels), under a module name of its own, loadable beside jllm's own module and other such builds."""
+    key = " ".join(flags) + "".join(texts[n] for n in sorted(texts))
+    name = prefix + hashlib.sha1(key.encode()).hexdigest()[:10]
     src = root / name / "src"
     src.mkdir(parents=True, exist_ok=True)
-    for f in sources:
-        shutil.copy(f, src / f.name)
-    layers = src / "layers.cpp"    # two modules may not both register the class Stack globally
-    layers.write_text(layers.read_text().replace('(m, "Stack")', '(m, "Stack", pybind11::module_local())'))
+    for n, text in texts.items():
+        if n == "layers.cpp":      # two modules may not both register the class Stack globally
+            text = text.replace('(m, "Stack")', '(m, "Stack", pybind11::module_local())')
+        (src / n).write_text(text)
+    kernels.qgemm()                # jllm's own module first: it registers Stack globally
     return ext.load(name=name, sources=[str(src / s.name) for s in kernels._SOURCES], extra_cflags=flags,
                     extra_ldflags=["-fopenmp"], build_directory=str(root / name), verbose=False)
+
+
+def build(flags: list[str], root: Path):
+    """The working tree's kernels compiled with extra flags."""
+    texts = {f.name: f.read_text() for f in kernels._SOURCES + kernels._HEADERS}
+    return load_sources(texts, flags, root, "jllm_variant_")
 
 
 def main() -> None:

@@ -15,7 +15,6 @@ start)`). Building REV's kernels takes about a minute.
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
 import subprocess
 import tempfile
@@ -25,25 +24,14 @@ from pathlib import Path
 import torch
 
 from jllm import kernels
-
-SOURCES = ("qgemm.cpp", "attention.cpp", "rowwise.cpp", "layers.cpp")
+from kernel_variants import load_sources
 
 
 def build_rev(rev: str):
-    """REV's kernel module, its Stack renamed so that both modules can be loaded together."""
-    import torch.utils.cpp_extension as ext
-
-    out = Path(tempfile.gettempdir()) / f"jllm-kernels-{rev}"
-    out.mkdir(parents=True, exist_ok=True)
-    for name in SOURCES + ("vecmath.h", "kernels.h"):
-        text = subprocess.run(["git", "show", f"{rev}:jllm/kernels/{name}"], check=True, capture_output=True,
-                              text=True).stdout
-        if name == "layers.cpp":                     # pybind11 refuses a second C++ type of the same name
-            text = re.sub(r"\bStack\b", "StackRev", text)
-        (out / name).write_text(text)
-    kernels.qgemm()                     # the working tree's module first
-    return ext.load(name=f"jllm_rev_{rev}", sources=[str(out / n) for n in SOURCES], extra_cflags=kernels._flags(),
-                    extra_ldflags=["-fopenmp"], build_directory=str(out), verbose=False)
+    """REV's kernel module, loadable beside the working tree's (kernel_variants.load_sources)."""
+    texts = {f.name: subprocess.run(["git", "show", f"{rev}:jllm/kernels/{f.name}"], check=True, capture_output=True,
+                                    text=True).stdout for f in kernels._SOURCES + kernels._HEADERS}
+    return load_sources(texts, kernels._flags(), Path(tempfile.gettempdir()) / "jllm-kernels-rev", "jllm_rev_")
 
 
 def forward_ab(old, which: str, tokens: list[int], rounds: int) -> None:
@@ -59,7 +47,7 @@ def forward_ab(old, which: str, tokens: list[int], rounds: int) -> None:
 
     class RevStack:                      # REV's stack (the layers) behind the working tree's interface
         def __init__(self, *a):
-            self.s = old.StackRev(*a)
+            self.s = old.Stack(*a)
 
         def add_layer(self, *a):
             self.s.add_layer(*a)

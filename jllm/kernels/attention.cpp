@@ -1,7 +1,8 @@
 // Causal attention for a few new queries over the KV cache on the CPU.
 //
 // A work item is one kv head and up to 16 of the new queries (a verify pass's queries all in one item; a
-// prefill chunk's in slices). Keys and values are converted to f32 once per block of rows, in L1, and each
+// prefill chunk's in slices), for head sizes 64, 128 and 256 (others, as the tiny test models use, go one query
+// at a time through plain loops). Keys and values are converted to f32 once per block of rows, in L1, and each
 // block serves every query and query head of the item. Scores are computed for 16 keys at a time (one
 // accumulator per key, the 16 sums taken across lanes together, not one horizontal sum per key), then a
 // softmax with a vectorised exp over each query's own keys, then the weighted sum of value rows for several

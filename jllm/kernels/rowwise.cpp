@@ -16,12 +16,7 @@
 namespace {
 
 using jllm::exp512;
-
 using jllm::tail_mask;
-
-}  // namespace
-
-namespace {
 
 // One row: y = x / sqrt(mean(x^2) + eps) * w (y may be x: the row is read whole before it is written).
 inline void norm_row(const float* x, int64_t D, const float* w, float eps, float* y) {
@@ -169,22 +164,51 @@ torch::Tensor rope_store(torch::Tensor q, torch::Tensor k, torch::Tensor v, torc
     return qo;
 }
 
-// logits: [V] f32 -> (the first index of the largest, its softmax probability 1 / sum_j e^{x_j - max}): what a
-// greedy draft needs from each step, in two passes over the row instead of torch's softmax and max (a draft
-// step's 65,536 logits: ~0.1 ms -> ~0.01).
+namespace {
+
+// The index of the largest of p[0 .. V), the first one on ties, a NaN counting as the largest (torch.argmax's
+// rules); every value -inf gives 0, as torch.
+int64_t argmax_row(const float* p, int64_t V) {
+    __m512 best = _mm512_set1_ps(-INFINITY);
+    __m512i at = _mm512_set1_epi32(-1), idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i step = _mm512_set1_epi32(16);
+    __mmask16 nan = 0;
+    for (int64_t i = 0; i < V; i += 16, idx = _mm512_add_epi32(idx, step)) {
+        const __mmask16 m = tail_mask(V - i);
+        const __m512 v = _mm512_maskz_loadu_ps(m, p + i);
+        nan |= _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q);
+        const __mmask16 gt = _mm512_mask_cmp_ps_mask(m, v, best, _CMP_GT_OQ);   // strictly: a lane keeps its first
+        best = _mm512_mask_mov_ps(best, gt, v);
+        at = _mm512_mask_mov_epi32(at, gt, idx);
+    }
+    if (nan) {
+        int64_t arg = 0;
+        while (!std::isnan(p[arg])) ++arg;
+        return arg;
+    }
+    alignas(64) float bv[16];
+    alignas(64) int32_t bi[16];
+    _mm512_store_ps(bv, best);
+    _mm512_store_si512(bi, at);
+    float mv = -INFINITY;
+    int64_t mi = -1;
+    for (int l = 0; l < 16; ++l)                // the largest value; among equal ones the lowest index
+        if (bi[l] >= 0 && (mi < 0 || bv[l] > mv || (bv[l] == mv && bi[l] < mi))) mv = bv[l], mi = bi[l];
+    return mi < 0 ? 0 : mi;
+}
+
+}  // namespace
+
+// logits: [V] f32 -> (argmax_row's index, its softmax probability 1 / sum_j e^{x_j - max}): what a greedy draft
+// needs from each step, in two passes over the row instead of torch's softmax and max (a draft step's 65,536
+// logits: ~0.1 ms -> ~0.02).
 std::tuple<int64_t, double> top_prob(torch::Tensor logits) {
     TORCH_CHECK(logits.dim() == 1 && logits.scalar_type() == torch::kFloat32 && logits.numel() > 0, "logits [V] f32");
     logits = logits.contiguous();
     const float* x = logits.data_ptr<float>();
     const int64_t V = logits.numel();
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int64_t i = 0; i < V; i += 16)
-        mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail_mask(V - i), x + i));
-    const float m = _mm512_reduce_max_ps(mx);
-    int64_t arg = 0;
-    while (arg < V && !(x[arg] == m)) ++arg;          // the first lane equal to the max (NaN-free rows)
-    if (arg == V) arg = 0;
-    const __m512 vm = _mm512_set1_ps(m);
+    const int64_t arg = argmax_row(x, V);
+    const __m512 vm = _mm512_set1_ps(x[arg]);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t i = 0; i < V; i += 16) {
         const __mmask16 k = tail_mask(V - i);
@@ -193,44 +217,15 @@ std::tuple<int64_t, double> top_prob(torch::Tensor logits) {
     return {arg, 1.0 / (double)_mm512_reduce_add_ps(sum)};
 }
 
-// x: [R, V] (or [V]) f32 -> the index of each row's largest value, the first one on ties, a NaN counting as
-// the largest (torch.argmax's rules, so greedy choices are the same as with it). A verify pass's 5 x 151,936
-// logits: 0.38 ms with torch's CPU argmax, 0.10 with this (then bound by reading them from L3).
+// x: [R, V] (or [V]) f32 -> argmax_row of each row (torch.argmax's rules, so greedy choices are the same as
+// with it). A verify pass's 5 x 151,936 logits: 0.38 ms with torch's CPU argmax, 0.10 with this (then bound by
+// reading them from L3).
 std::vector<int64_t> argmax_rows(torch::Tensor x) {
     TORCH_CHECK(x.scalar_type() == torch::kFloat32 && (x.dim() == 1 || x.dim() == 2) && x.size(-1) > 0,
                 "x must be [R, V] or [V] f32");
     x = x.contiguous();
     const int64_t V = x.size(-1), R = x.numel() / V;
     std::vector<int64_t> out((size_t)R);
-    const __m512i step = _mm512_set1_epi32(16);
-    for (int64_t r = 0; r < R; ++r) {
-        const float* p = x.data_ptr<float>() + r * V;
-        __m512 best = _mm512_set1_ps(-INFINITY);
-        __m512i at = _mm512_set1_epi32(-1), idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        __mmask16 nan = 0;
-        for (int64_t i = 0; i < V; i += 16, idx = _mm512_add_epi32(idx, step)) {
-            const __mmask16 m = tail_mask(V - i);
-            const __m512 v = _mm512_maskz_loadu_ps(m, p + i);
-            nan |= _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q);
-            const __mmask16 gt = _mm512_mask_cmp_ps_mask(m, v, best, _CMP_GT_OQ);   // strictly: a lane keeps its first
-            best = _mm512_mask_mov_ps(best, gt, v);
-            at = _mm512_mask_mov_epi32(at, gt, idx);
-        }
-        int64_t arg = 0;
-        if (nan) {
-            while (!std::isnan(p[arg])) ++arg;
-        } else {
-            alignas(64) float bv[16];
-            alignas(64) int32_t bi[16];
-            _mm512_store_ps(bv, best);
-            _mm512_store_si512(bi, at);
-            float mv = -INFINITY;
-            int64_t mi = -1;
-            for (int l = 0; l < 16; ++l)            // the largest value; among equal ones the lowest index
-                if (bi[l] >= 0 && (mi < 0 || bv[l] > mv || (bv[l] == mv && bi[l] < mi))) mv = bv[l], mi = bi[l];
-            arg = mi < 0 ? 0 : mi;                  // every value -inf: torch gives index 0
-        }
-        out[(size_t)r] = arg;
-    }
+    for (int64_t r = 0; r < R; ++r) out[(size_t)r] = argmax_row(x.data_ptr<float>() + r * V, V);
     return out;
 }
