@@ -9,7 +9,7 @@ norm and output layer then run from Python, as they did before the stack took th
 working tree's. The draft is the 0.5B as the engine runs it (native4, FR-Spec output rows).
 `attention`: the attention kernel alone, cache in L2, on the target's and the draft's head shapes.
 REV must have the pointer-free stack API of session 8 or later (`Stack.add_layer`, `Stack.forward(x, k, v,
-start)`). Building REV's kernels takes about a minute.
+start)`; from session 9 also `Stack.set_head`). Building REV's kernels takes about a minute.
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ def forward_ab(old, which: str, tokens: list[int], rounds: int) -> None:
         model = load_model(resolve("qwen2.5-coder-1.5b"), "cpu", None)
     new_stack, new_kernels = model.stack, model.kernels
 
+    headed = hasattr(old.Stack, "set_head")     # session 9 on: the stack runs the final norm and output too
+
     class RevStack:                      # REV's stack (the layers) behind the working tree's interface
         def __init__(self, *a):
             self.s = old.Stack(*a)
@@ -53,9 +55,12 @@ def forward_ab(old, which: str, tokens: list[int], rounds: int) -> None:
             self.s.add_layer(*a)
 
         def set_head(self, *a):
-            pass
+            if headed:
+                self.s.set_head(*a)
 
-        def forward(self, x, k, v, start, last_only=False):     # the final norm and output from Python, as then
+        def forward(self, x, k, v, start, last_only=False):     # before: the final norm and output from Python
+            if headed:
+                return self.s.forward(x, k, v, start, last_only)
             h = self.s.forward(x, k, v, start)
             h = h[-1:] if last_only else h
             return model.w.output(old.rms_norm(h, model.w.output_norm, model.cfg.rms_eps))
