@@ -216,3 +216,81 @@ def test_an_always_wrong_draft_keeps_the_output(paths):
     assert st["drafted"] > 0 and st["accepted"] == 0
     # p_min 0 lets the draft go the full 8 while confident; after a round with nothing accepted it gets 2
     assert st["drafted"] <= 8 + 2 * (st["rounds"] - 1), st
+
+
+def test_a_side_leaf_computes_what_a_decode_step_of_it_would(paths):
+    """The native stack's side leaf: the chain's rows are bitwise those of the pass without it, and the leaf's
+    logits and key/value those of decoding the leaf right after the tokens before its position."""
+    eng = engine(paths["target"], precision="native")
+    model = eng.model
+    assert model.stack is not None
+    prefix = eng.encode(PROMPT)
+    chain, alt, j = [5, 17, 42, 99], 61, 2             # the leaf is an alternative to chain[j]
+
+    def cache_after(ids):
+        cache = model.new_cache(64)
+        model.forward(torch.tensor(ids), cache)
+        return cache
+
+    tree = cache_after(prefix)
+    start = tree.length
+    out = model.forward(torch.tensor(chain + [alt]), tree, leaf=start + j)
+    plain = cache_after(prefix)
+    assert torch.equal(out[:-1], model.forward(torch.tensor(chain), plain))
+    step = cache_after(prefix + chain[:j])
+    assert torch.equal(out[-1], model.forward(torch.tensor([alt]), step)[0])
+    # moved to its position, the leaf's key and value are the decode step's
+    tree.k[:, :, start + j] = tree.k[:, :, start + len(chain)]
+    tree.v[:, :, start + j] = tree.v[:, :, start + len(chain)]
+    n = start + j + 1
+    assert torch.equal(tree.k[:, :, :n], step.k[:, :, :n]) and torch.equal(tree.v[:, :, :n], step.v[:, :, :n])
+    with pytest.raises(RuntimeError, match="leaf"):
+        model.forward(torch.tensor(chain + [alt]), tree, leaf=start - 1)
+
+
+def test_side_leaves_keep_the_output_and_are_taken(paths, monkeypatch):
+    """Rounds whose chain breaks exactly where the leaf is: the leaf is taken, one more token a round, and
+    the output and the cache stay those of plain decoding."""
+    from jllm.spec.decode import DraftRunner
+
+    plain = engine(paths["target"], precision="native")
+    p = SamplingParams(max_tokens=40)
+    ref = plain.generate(PROMPT, p)
+    spec = engine(paths["target"], paths["other"], mode="draft", p_min=0.0, precision="native")
+    n_prompt = len(spec.encode(PROMPT))
+    vocab = spec.model.cfg.vocab_size
+    target_text = ref.token_ids
+
+    def propose(self, context, k, p_min, params, gen, k_min=1, leaf_p=0.0):
+        at = len(context) - n_prompt                   # index of the next token in the output
+        want = target_text[at:at + 3]
+        self.forwards, self.step_s = 1, 1e-3
+        if len(want) < 3:
+            self.leaf = None
+            return want or [0], None
+        self.leaf = (1, want[1]) if leaf_p > 0 else None
+        return [want[0], (want[1] + 1) % vocab, want[2]], None      # wrong at index 1: the leaf is right
+
+    monkeypatch.setattr(DraftRunner, "propose", propose)
+    out = spec.generate(PROMPT, p)
+    assert out.token_ids == ref.token_ids
+    st = spec.spec_stats.as_dict()
+    assert st["leaves"] > 0 and st["leaves_taken"] == st["leaves"]
+    assert spec.cached_ids == plain.cached_ids
+    n = plain.cache.length
+    assert torch.equal(spec.cache.k[:, :, :n], plain.cache.k[:, :, :n])
+    # the same rounds without leaves: one token fewer a round
+    off = engine(paths["target"], paths["other"], mode="draft", p_min=0.0, precision="native", leaf_p=0.0)
+    assert off.generate(PROMPT, p).token_ids == ref.token_ids
+    st_off = off.spec_stats.as_dict()
+    assert st_off["leaves"] == 0 and st_off["tokens_per_verify"] < st["tokens_per_verify"]
+
+
+def test_side_leaves_with_a_real_draft_keep_the_output(paths):
+    plain = engine(paths["target"], precision="native")
+    p = SamplingParams(max_tokens=40)
+    ref = plain.generate(PROMPT, p)
+    spec = engine(paths["target"], paths["other"], mode="draft", p_min=0.0, precision="native", leaf_p=1.01)
+    assert spec.generate(PROMPT, p).token_ids == ref.token_ids
+    assert spec.spec_stats.as_dict()["leaves"] > 0
+    assert spec.cached_ids == plain.cached_ids

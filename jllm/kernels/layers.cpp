@@ -11,6 +11,7 @@
 
 #include "kernels.h"
 
+#include <algorithm>
 #include <mutex>
 #include <utility>
 #include <vector>
@@ -68,7 +69,13 @@ public:
 
     // x: [T, D] for positions start .. start + T - 1; kc, vc: [layers, Hk, L, hd]. -> logits [T, n] (only the last
     // row's, [1, n], with last_only).
-    torch::Tensor forward(torch::Tensor x_in, torch::Tensor kc, torch::Tensor vc, int64_t start, bool last_only) {
+    // leaf >= 0: the last row is a side leaf of a speculative tree instead, an alternative to the token at
+    // position leaf (start <= leaf < start + T - 1): it has that position and sees the cache before it and
+    // itself, never the rows from leaf on. Its key and value still go to its own slot, start + T - 1. For its
+    // attention they are swapped into slot leaf and back, so it runs on the same keys in the same places as
+    // a decode step of the leaf after the tokens before it: the same bits (its other work is row by row).
+    torch::Tensor forward(torch::Tensor x_in, torch::Tensor kc, torch::Tensor vc, int64_t start, bool last_only,
+                          int64_t leaf) {
         std::lock_guard<std::mutex> lock(mu);
         TORCH_CHECK(head_norm && !layers.empty(), "the stack needs its layers and head before forward");
         TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == D && x_in.scalar_type() == torch::kFloat32, "x must be [T, D] f32");
@@ -77,6 +84,7 @@ public:
         const bool half = half_cache(kc, vc);
         const int64_t T = x_in.size(0), L = kc.size(2), qd = H * hd, kvd = Hk * hd, W = qd + 2 * kvd;
         TORCH_CHECK(start >= 0 && start + T <= L, "the cache is full");
+        TORCH_CHECK(leaf < 0 || (T >= 2 && leaf >= start && leaf < start + T - 1), "a leaf's position is one of the chain's");
         for (const Layer& l : layers) TORCH_CHECK(start + T <= l.positions, "past the rotary table");
         float* x = grow(x_buf, T * D);                            // the residual stream
         const torch::Tensor xc = x_in.contiguous();
@@ -103,9 +111,18 @@ public:
                     rms_norm_raw(qkv + t * W, H, hd, l.q_norm, eps, qkv + t * W);
                     rms_norm_raw(qkv + t * W + qd, Hk, hd, l.k_norm, eps, qkv + t * W + qd);
                 }
-            rope_store_raw(qkv, W, qkv + qd, W, qkv + qd + kvd, W, T, H, Hk, hd, l.cos + start * hr,
+            const int64_t Tc = leaf >= 0 ? T - 1 : T;                                  // the chain's rows
+            rope_store_raw(qkv, W, qkv + qd, W, qkv + qd + kvd, W, Tc, H, Hk, hd, l.cos + start * hr,
                            l.sin + start * hr, neox, rope_dim, ki, vi, half, L, start, q);
-            attention_raw(q, ki, vi, half, att, T, H, Hk, hd, L, start, l.window, attn_scale);
+            attention_raw(q, ki, vi, half, att, Tc, H, Hk, hd, L, start, l.window, attn_scale);
+            if (leaf >= 0) {
+                const float* r = qkv + Tc * W;
+                rope_store_raw(r, W, r + qd, W, r + qd + kvd, W, 1, H, Hk, hd, l.cos + leaf * hr, l.sin + leaf * hr,
+                               neox, rope_dim, ki, vi, half, L, start + Tc, q + Tc * qd);
+                swap_slots(ki, vi, half ? 2 : 4, L, leaf, start + Tc);
+                attention_raw(q + Tc * qd, ki, vi, half, att + Tc * qd, 1, H, Hk, hd, L, leaf, l.window, attn_scale);
+                swap_slots(ki, vi, half ? 2 : 4, L, leaf, start + Tc);
+            }
             qmatmul_raw(att, T, qd, l.o, a, group);
             if (l.post_attn_norm) rms_norm_raw(a, T, D, l.post_attn_norm, eps, a);
             add_rms_norm_raw(x, a, T, D, l.ffn_norm, eps, h);                           // x += a; h = norm(x)
@@ -124,6 +141,14 @@ public:
     }
 
 private:
+    // Exchange the keys and values of two positions of one layer's cache ([Hk, L, hd] elements of `size` bytes).
+    void swap_slots(char* k, char* v, int64_t size, int64_t L, int64_t a, int64_t b) const {
+        const int64_t row = hd * size;
+        for (char* c : {k, v})
+            for (int64_t h = 0; h < Hk; ++h)
+                std::swap_ranges(c + (h * L + a) * row, c + (h * L + a + 1) * row, c + (h * L + b) * row);
+    }
+
     // n floats starting on a cache line (a vector's own start is 16-byte aligned: the kernels' 64-byte loads
     // would straddle lines)
     static float* grow(std::vector<float>& buf, int64_t n) {
@@ -153,6 +178,6 @@ void register_stack(pybind11::module& m) {
         .def("add_layer", &Stack::add_layer)
         .def("set_head", &Stack::set_head)
         .def("forward", &Stack::forward, pybind11::arg("x"), pybind11::arg("kc"), pybind11::arg("vc"),
-             pybind11::arg("start"), pybind11::arg("last_only") = false,
+             pybind11::arg("start"), pybind11::arg("last_only") = false, pybind11::arg("leaf") = -1,
              pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -91,20 +91,26 @@ class Transformer:
                        device=self.device)
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False,
+                leaf: int | None = None) -> torch.Tensor:
         """tokens: [T] int64 -> logits [T, vocab] (or [1, vocab] with last_only) float32.
 
         Writes the new tokens' keys and values at cache.length and advances it by T.
+        leaf (native stack only): the last token is a side leaf of a speculative tree, an alternative to the
+        token at position `leaf`; its logits are those of a decode step of it at that position (see Stack),
+        its key and value sit at the last position.
         """
         c, w = self.cfg, self.w
         T = tokens.shape[0]
+        if leaf is not None and self.stack is None:
+            raise ValueError("side leaves need the native layer stack")
         norm = self.kernels.rms_norm if self.kernels is not None else rms_norm
         start = cache.reserve(T)
         x = w.embed(tokens)                                                   # x: [T, D]
         if self.embed_scale is not None:
             x = x * self.embed_scale
         if self.stack is not None:                                            # layers, norm, output: one call
-            logits = self.stack.forward(x, cache.k, cache.v, start, last_only)
+            logits = self.stack.forward(x, cache.k, cache.v, start, last_only, -1 if leaf is None else leaf)
             cache.length = start + T
             return logits
         x = self._layers(x, cache, start)

@@ -23,7 +23,7 @@ from jllm.engine import common_prefix, fill_cache
 from jllm.model.transformer import Transformer
 from jllm.sampling import SamplingParams, make_generator, probs, sample
 from jllm.sampling import argmax as greedy_ids
-from jllm.spec import DRAFT_MAX, DRAFT_MIN, DRAFT_VOCAB, P_MIN
+from jllm.spec import DRAFT_MAX, DRAFT_MIN, DRAFT_VOCAB, LEAF_P, P_MIN
 from jllm.spec.ngram import NgramProposer
 from jllm.spec.rejection import draw, verify_greedy, verify_sampled
 
@@ -41,6 +41,8 @@ class SpecConfig:
                                     # the target still verifies over all of them, so exactness holds
     draft_precision: str = "auto"   # auto: native4 for a native target, int8-fast for an int8 one (the draft
                                     # only proposes: fewer bytes beat precision), else the target's own
+    leaf_p: float = LEAF_P      # greedy: also verify the draft's second choice at its least confident drafted
+                                # position when the draft gave its own token less than this (0: never)
 
 
 def draft_precision_for(target_precision: str, choice: str = "auto") -> str:
@@ -54,6 +56,8 @@ class SpecStats:
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
+    leaves: int = 0             # side leaves verified, and how many of them were taken
+    leaves_taken: int = 0
     by_proposer: dict = field(default_factory=lambda: {"ngram": [0, 0, 0], "draft": [0, 0, 0]})  # rounds, drafted, accepted
     accept_hist: dict = field(default_factory=dict)      # accepted length -> rounds
     draft_s: float = 0.0
@@ -74,9 +78,11 @@ class SpecStats:
             "rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted,
             "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else 0.0,
             "mean_accepted_per_verify": round(self.accepted / self.rounds, 3) if self.rounds else 0.0,
-            "tokens_per_verify": round((self.accepted + self.rounds) / self.rounds, 3) if self.rounds else 0.0,
+            "tokens_per_verify": round((self.accepted + self.leaves_taken + self.rounds) / self.rounds, 3)
+            if self.rounds else 0.0,
             "accept_histogram": dict(sorted(self.accept_hist.items())),
             "by_proposer": {k: {"rounds": v[0], "drafted": v[1], "accepted": v[2]} for k, v in self.by_proposer.items()},
+            "leaves": self.leaves, "leaves_taken": self.leaves_taken,
             "draft_ms": round(self.draft_s * 1000, 1), "verify_ms": round(self.verify_s * 1000, 1),
         }
 
@@ -90,6 +96,7 @@ class DraftRunner:
         self.ids: list[int] = []
         self.device = model.device
         self.forwards, self.step_s, self.synced = 0, None, 0      # of the latest propose() and sync()
+        self.leaf: tuple[int, int] | None = None     # of the latest propose(): (draft index, its alternative)
         kernels = getattr(model, "kernels", None)
         self.top_prob = kernels.top_prob if kernels is not None else None   # argmax and its probability
 
@@ -100,8 +107,10 @@ class DraftRunner:
         return fill_cache(self.model, self.cache, self.ids, context, keep)
 
     def propose(self, context: list[int], k: int, p_min: float, params: SamplingParams,
-                gen: torch.Generator | None, k_min: int = 1) -> tuple[list[int], torch.Tensor | None]:
+                gen: torch.Generator | None, k_min: int = 1, leaf_p: float = 0.0) -> tuple[list[int], torch.Tensor | None]:
         """Up to k tokens (at least k_min); with sampling also their distributions q [n, V].
+        Greedy, leaf_p > 0: afterwards `leaf` is (i, t) when the draft's least confident token, drafts[i], had
+        probability < leaf_p, t being its second choice there (else None).
 
         Drafting goes on while the chain is likely to hold: the product of the draft's probabilities of its
         tokens so far (its top probability when greedy, q of the drawn token when sampling, against half the
@@ -116,6 +125,7 @@ class DraftRunner:
         self.step_s = time.perf_counter() - t if self.synced == 1 else None
         threshold = p_min if params.greedy else p_min * 0.5
         drafts, qs, chain = [], [], 1.0
+        self.leaf, weakest = None, (leaf_p, None, None)           # (probability, index, logits)
         for i in range(k):
             if params.greedy and self.top_prob is not None:
                 tok, p = self.top_prob(logits.float())
@@ -128,6 +138,8 @@ class DraftRunner:
                 p = q[tok].item()
                 qs.append(q)
             drafts.append(tok)
+            if params.greedy and p < weakest[0]:
+                weakest = (p, i, logits)
             chain *= p
             if i + 1 == k or (i + 1 >= k_min and chain < threshold):
                 break
@@ -136,6 +148,10 @@ class DraftRunner:
             self.step_s = time.perf_counter() - t
             self.forwards += 1
             self.ids.append(tok)
+        if weakest[1] is not None:
+            i = weakest[1]
+            alt = [t for t in weakest[2].float().topk(2).indices.tolist() if t != drafts[i]][0]
+            self.leaf = (i, alt)
         return drafts, (torch.stack(qs) if qs else None)
 
 
@@ -148,6 +164,8 @@ class SpeculativeDecoder:
         self.engine, self.draft, self.cfg = engine, draft, cfg
         mode = cfg.mode if cfg.mode != "auto" else ("draft+ngram" if draft is not None else "ngram")
         self.use_draft = draft is not None and mode in ("draft", "draft+ngram")
+        # side leaves: the target's layer stack verifies them (Transformer.forward); greedy rounds only
+        self.leaf_p = cfg.leaf_p if engine.model.stack is not None else 0.0
         self.use_ngram = mode in ("ngram", "draft+ngram")
         self.ngram = NgramProposer(max_ngram=4, min_ngram=1)
         self.stats = SpecStats()
@@ -167,8 +185,9 @@ class SpeculativeDecoder:
                 if d and (self.ngram.last_match_len >= self.cfg.ngram_min_match or not self.use_draft):
                     return "ngram", d, None
             if self.use_draft and self.gate.choose() == "draft":
+                leaf_p = self.leaf_p if params.greedy and params.repeat_penalty == 1.0 else 0.0
                 d, q = self.draft.propose(context, min(self.k["draft"], room), self.cfg.p_min, params, gen,
-                                          k_min=self.cfg.draft_min)
+                                          k_min=self.cfg.draft_min, leaf_p=leaf_p)
                 return "draft", d, q
             return "ngram", [], None
         finally:
@@ -190,35 +209,48 @@ class SpeculativeDecoder:
                 return
             room = min(budget - emitted - 1, eng.ctx_size - eng.cache.length - 2)
             kind, drafts, q = self._propose(history, room, params, gen) if room > 0 else ("ngram", [], None)
+            leaf = self.draft.leaf if kind == "draft" and drafts else None       # (draft index, alternative)
             t0 = time.perf_counter()
             before = eng.cache.length
-            block = torch.tensor([last] + drafts, device=eng.device)
-            out = eng.model.forward(block, eng.cache)                                    # [k+1, V]
+            block = torch.tensor([last] + drafts + ([leaf[1]] if leaf else []), device=eng.device)
+            out = eng.model.forward(block, eng.cache, leaf=before + 1 + leaf[0] if leaf else None)   # [k+1(+1), V]
             if params.greedy:
                 if params.repeat_penalty == 1.0:               # no history to apply: one call for all rows
                     argmax = greedy_ids(out)
                 else:
                     argmax = [sample(out[i], params, history + drafts[:i], gen) for i in range(len(drafts) + 1)]
-                n, nxt = verify_greedy(drafts, argmax)
+                n, nxt = verify_greedy(drafts, argmax[:len(drafts) + 1])
+                taken = leaf is not None and n == leaf[0] and argmax[n] == leaf[1]
+                if taken:                      # the chain broke where the leaf is, on the leaf's token
+                    n, nxt = n + 1, argmax[-1]
+                accepted = drafts[:n - 1] + [leaf[1]] if taken else drafts[:n]
             else:
+                taken = False
                 p = torch.stack([probs(out[i], params, history + drafts[:i]) for i in range(len(drafts) + 1)])
                 if kind == "draft" and q is not None and q.shape[-1] < p.shape[-1]:
                     q = torch.nn.functional.pad(q, (0, p.shape[-1] - q.shape[-1]))   # subset vocab: zeros beyond
                 n, nxt = verify_sampled(drafts, q if kind == "draft" else None, p, gen)
-            stop = next((j for j in range(n) if drafts[j] in eng.tokenizer.eot_ids), None)
+                accepted = drafts[:n]
+            stop = next((j for j in range(n) if accepted[j] in eng.tokenizer.eot_ids), None)
             keep = n if stop is None else stop        # like plain decoding, never keep an end-of-turn token
+            if taken and keep == n:                   # the leaf's key and value move to its position
+                slot = before + len(block) - 1
+                eng.cache.k[:, :, before + n] = eng.cache.k[:, :, slot]
+                eng.cache.v[:, :, before + n] = eng.cache.v[:, :, slot]
             eng.cache.truncate(before + 1 + keep)
-            eng.cached_ids = eng.cached_ids[:before] + [last] + drafts[:keep]
+            eng.cached_ids = eng.cached_ids[:before] + [last] + accepted[:keep]
             verify_s = time.perf_counter() - t0
             self.stats.verify_s += verify_s
             drafted = kind == "draft"
-            self.gate.observe(verify_s, len(drafts), self.draft.step_s if drafted else None)
+            self.gate.observe(verify_s, len(block) - 1, self.draft.step_s if drafted else None)
             if drafted:
-                self.gate.record(n + 1, self.draft.forwards, len(drafts))
+                self.gate.record(n + 1, self.draft.forwards, len(block) - 1)
             if drafts:
-                self.stats.record(kind, len(drafts), n)
+                self.stats.record(kind, len(drafts), n - taken)      # the chain's; leaves apart
+                self.stats.leaves += leaf is not None
+                self.stats.leaves_taken += taken
                 self._adapt(kind, len(drafts), n)
-            for tok in drafts[:n]:
+            for tok in accepted[:n]:
                 history.append(tok)
                 self.ngram.append(tok)
                 yield tok
