@@ -103,7 +103,9 @@ def replay(row: dict, policy: dict, d: float, V, gate=None) -> tuple[float, int,
     stays >= p_min, decided before each draft step) or "after" (session 2's: run the step, then drop its
     token if its own probability is < p_min: that step is paid for and wasted); ngram (default on); wrong
     (every draft token wrong); grow (a draft round proposes at most `grow` past what the previous one got
-    accepted). gate: a DraftGate deciding draft or plain rounds, as jllm runs it; a draft
+    accepted); leaf_p (a side leaf, the draft's second choice at its least
+    confident drafted position when that is < leaf_p: one more verify row, one more token when the chain
+    breaks there on the leaf's token). gate: a DraftGate deciding draft or plain rounds, as jllm runs it; a draft
     back from plain rounds catches up at ~8 % of a step per extra token (one batched pass)."""
     out, dr, dp = row["out"], row["draft"], row["draft_p"]
     ctx = list(row["prompt"]) + [out[0]]       # out[0] comes from the prefill
@@ -138,11 +140,17 @@ def replay(row: dict, policy: dict, d: float, V, gate=None) -> tuple[float, int,
         n = 0
         while n < len(drafts) and drafts[n] == out[i + n]:
             n += 1
-        cost += V(len(drafts))
+        leaf = None
+        if kind == "draft" and policy.get("leaf_p") and not policy.get("wrong"):
+            j = min(range(len(drafts)), key=lambda j: dp[i + j])
+            leaf = j if dp[i + j] < policy["leaf_p"] else None
+        taken = leaf is not None and n == leaf and i + n + 1 < n_out and row["draft2"][i + n] == out[i + n]
+        cost += V(len(drafts) + (leaf is not None))
         if gate is not None:
-            gate.observe(V(len(drafts)) / V(0), len(drafts), d if kind == "draft" else None)
+            rows_k = len(drafts) + (leaf is not None)
+            gate.observe(V(rows_k) / V(0), rows_k, d if kind == "draft" else None)
             if kind == "draft":
-                gate.record(n + 1, steps, len(drafts))
+                gate.record(n + 1 + taken, steps, rows_k)
         if kind == "draft":
             synced = i + n + 1
             if policy.get("grow"):
@@ -151,6 +159,7 @@ def replay(row: dict, policy: dict, d: float, V, gate=None) -> tuple[float, int,
         accepted += n
         if kind == "ngram":
             kn = min(kn_max, kn + 1) if n == len(drafts) else max(1, n + 1)
+        n += taken
         ctx.extend(out[i:i + n + 1])
         i += n + 1
     return cost, n_out - 1, drafted, accepted
@@ -168,6 +177,9 @@ def sim(a) -> None:
                 for kmax in (4, 8):
                     _line(f"d={d:.2f} {rule:<6} p_min={pmin:.1f} kmax={kmax}", rows, cats,
                           {"kmax": kmax, "p_min": pmin, "rule": rule}, d, V)
+        for leaf_p in (0.5, 0.7, 0.9):        # jllm's policy with side leaves (gate in the loop)
+            _line(f"d={d:.2f} jllm gate   leaf_p={leaf_p}", rows, cats,
+                  {"kmax": 8, "p_min": 0.7, "grow": 2, "leaf_p": leaf_p}, d, V, True)
         for wrong in (False, True):           # jllm's policy with its gate in the loop, and without
             for gated in (False, True):
                 _line(f"d={d:.2f} jllm {'gate  ' if gated else 'always'} {'WRONG draft' if wrong else ''}", rows,

@@ -12,7 +12,7 @@ P_MIN = 0.7
 # 75.6 % of positions (1.49x), 65,536 at 79.0 % (1.52x, +7.6 % draft bytes), all 151,936 at 80.9 % (1.47x).
 DRAFT_VOCAB = 65536
 # Side leaf: with a greedy draft, the verify pass also carries the draft's second choice at its least
-# confident drafted position when that position's probability is < LEAF_P. Replay of the corpus traces
-# (benchmarks/spec_sim.py leaf): 1.697x -> 1.755x where rows are cheap (slow memory phase), 1.416x -> 1.417x
-# where they are not (fast phase); 0.5 gives 1.735x / 1.420x, 0.9 1.756x / 1.404x.
+# confident drafted position when that position's probability is < LEAF_P. Replay of the corpus traces with
+# the engine's gate (benchmarks/spec_sim.py sim, costs measured in the loop): 1.67x -> 1.74x where rows are
+# cheap (slow memory phase, 0.5: 1.71x, 0.9: 1.74x), 1.40x -> 1.41x where they are not (fast phase).
 LEAF_P = 0.7
