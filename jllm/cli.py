@@ -12,7 +12,7 @@ import sys
 import time
 
 from jllm.errors import JllmError
-from jllm.spec import DRAFT_MAX, DRAFT_MIN, P_MIN
+from jllm.spec import DRAFT_MAX, DRAFT_MIN, LEAF_P, P_MIN
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -87,7 +87,10 @@ def _spec_config(a: argparse.Namespace):
         raise JllmError(f"--spec {mode} needs a draft model (-md/--draft-model)")
     if a.draft_min < 1 or a.draft_max < a.draft_min:
         raise JllmError(f"need 1 <= --draft-min <= --draft-max (got {a.draft_min}, {a.draft_max})")
-    return SpecConfig(mode=mode, draft_max=a.draft_max, draft_min=a.draft_min, p_min=a.draft_p_min)
+    if not 0.0 <= a.draft_leaf_p <= 1.01:
+        raise JllmError(f"--draft-leaf-p must be between 0 and 1 (got {a.draft_leaf_p})")
+    return SpecConfig(mode=mode, draft_max=a.draft_max, draft_min=a.draft_min, p_min=a.draft_p_min,
+                      leaf_p=a.draft_leaf_p)
 
 
 def _spec_args(p: argparse.ArgumentParser) -> None:
@@ -105,6 +108,9 @@ def _spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-p-min", type=float, default=P_MIN,
                    help="draft on while the product of the draft's probabilities of its tokens stays above this "
                    f"(default {P_MIN})")
+    p.add_argument("--draft-leaf-p", type=float, default=LEAF_P,
+                   help="greedy: also verify the draft's second choice where its least confident token's "
+                   f"probability is below this, in the same pass (default {LEAF_P}; 0: never)")
 
 
 def _cache_dir(a: argparse.Namespace):
@@ -459,6 +465,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--draft-max", type=int, default=DRAFT_MAX)
     b.add_argument("--draft-min", type=int, default=DRAFT_MIN)
     b.add_argument("--draft-p-min", type=float, default=P_MIN)
+    b.add_argument("--draft-leaf-p", type=float, default=LEAF_P)
     b.add_argument("-n", "--n-predict", type=int, default=128, help="tokens per prompt for --spec")
     b.add_argument("--limit", type=int, default=None, help="only the first N corpus prompts")
     b.add_argument("--wrong-draft", action="store_true",

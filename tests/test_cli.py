@@ -176,6 +176,11 @@ def test_bad_sampling_value(home):
     assert_user_error(jllm(home, "generate", "-m", "tiny.gguf", "-p", "hi", "--top-p", "0"), "top-p")
 
 
+def test_bad_draft_leaf_p(home):
+    assert_user_error(jllm(home, "generate", "-m", "tiny.gguf", "-p", "hi", "--spec", "ngram",
+                           "--draft-leaf-p", "2"), "--draft-leaf-p")
+
+
 # --------------------------------------------------------------------------------------------- success paths
 
 

@@ -115,7 +115,8 @@ def run(a) -> int:
 
     draft = str(resolve(a.draft_model)) if a.draft_model else None
     mode = a.spec_mode or ("auto" if draft else "ngram")
-    cfg = SpecConfig(mode=mode, draft_max=a.draft_max, draft_min=a.draft_min, p_min=a.draft_p_min)
+    cfg = SpecConfig(mode=mode, draft_max=a.draft_max, draft_min=a.draft_min, p_min=a.draft_p_min,
+                     leaf_p=a.draft_leaf_p)
     eng = Engine(str(resolve(a.model)), device=a.device, precision=a.precision, ctx_size=a.ctx_size,
                  threads=a.threads, draft_path=draft, spec=cfg)
     wrong_draft = getattr(a, "wrong_draft", False)
