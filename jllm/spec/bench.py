@@ -46,6 +46,7 @@ def run_corpus(eng, spec_cfg, max_tokens: int = 128, limit: int | None = None, l
             "plain_s": plain.timings.decode_ms / 1000, "spec_s": spec.timings.decode_ms / 1000,
             "spec_tokens": len(spec.token_ids), "drafted": st["drafted"], "accepted": st["accepted"],
             "rounds": st["rounds"], "by_proposer": st["by_proposer"],
+            "leaves": st["leaves"], "leaves_taken": st["leaves_taken"],
             "draft_s": st["draft_ms"] / 1000, "verify_s": st["verify_ms"] / 1000,
         }
         rows.append(row)
