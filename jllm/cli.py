@@ -87,7 +87,7 @@ def _spec_config(a: argparse.Namespace):
         raise JllmError(f"--spec {mode} needs a draft model (-md/--draft-model)")
     if a.draft_min < 1 or a.draft_max < a.draft_min:
         raise JllmError(f"need 1 <= --draft-min <= --draft-max (got {a.draft_min}, {a.draft_max})")
-    if not 0.0 <= a.draft_leaf_p <= 1.01:
+    if not 0.0 <= a.draft_leaf_p <= 1.0:
         raise JllmError(f"--draft-leaf-p must be between 0 and 1 (got {a.draft_leaf_p})")
     return SpecConfig(mode=mode, draft_max=a.draft_max, draft_min=a.draft_min, p_min=a.draft_p_min,
                       leaf_p=a.draft_leaf_p)
