@@ -170,8 +170,10 @@ def test_models_health_metrics(srv):
     assert metric(text, "jllm_kv_cache_entries") >= 1 and metric(text, "jllm_kv_cache_bytes") > 0
     assert metric(text, "jllm_queue_depth") == 0
     assert metric(text, "jllm_spec_accepted_tokens_total") <= metric(text, "jllm_spec_drafted_tokens_total")
+    assert metric(text, "jllm_spec_leaves_taken_total") <= metric(text, "jllm_spec_leaves_total")
     for name in ("jllm_prompt_tokens_cached_total", "jllm_spec_drafted_tokens_total",
-                 "jllm_spec_accepted_tokens_total", "jllm_spec_acceptance_rate", "jllm_requests_running"):
+                 "jllm_spec_accepted_tokens_total", "jllm_spec_acceptance_rate", "jllm_requests_running",
+                 "jllm_spec_leaves_total", "jllm_spec_leaves_taken_total"):
         metric(text, name)
 
 
@@ -339,3 +341,22 @@ def test_jllm_serve_command(srv, tmp_path):
         out = proc.communicate(timeout=30)[0]
     assert proc.returncode == 0, out
     assert "Traceback" not in out
+
+
+def test_metrics_add_up_the_speculation_of_requests():
+    """Each request's speculation statistics, side leaves included, summed into the counters."""
+    from jllm.server.metrics import Metrics
+    from jllm.server.worker import Outcome
+
+    m = Metrics()
+    timings = {"prompt_tokens_evaluated": 5, "cached_tokens": 0, "decode_tokens": 8, "decode_tok_s": 40.0,
+               "prompt_tok_s": 100.0}
+    for leaves, taken in ((3, 1), (4, 2)):
+        m.record(Outcome(5, 8, "length", timings, {"drafted": 10, "accepted": 6, "leaves": leaves,
+                                                   "leaves_taken": taken}))
+    m.record(Outcome(5, 8, "length", timings, None))              # a request that did not speculate
+    text = m.render(0, 0, None)
+    assert metric(text, "jllm_spec_drafted_tokens_total") == 20
+    assert metric(text, "jllm_spec_accepted_tokens_total") == 12
+    assert metric(text, "jllm_spec_leaves_total") == 7 and metric(text, "jllm_spec_leaves_taken_total") == 3
+    assert metric(text, "jllm_spec_acceptance_rate") == 0.6

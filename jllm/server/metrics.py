@@ -24,6 +24,8 @@ class Metrics:
         self.last_prompt_tok_s = 0.0
         self.spec_drafted = 0
         self.spec_accepted = 0
+        self.spec_leaves = 0                    # side leaves verified, and taken
+        self.spec_leaves_taken = 0
 
     def response(self, path: str, status: int) -> None:
         with self._lock:
@@ -53,6 +55,8 @@ class Metrics:
             if outcome.spec:
                 self.spec_drafted += outcome.spec["drafted"]
                 self.spec_accepted += outcome.spec["accepted"]
+                self.spec_leaves += outcome.spec.get("leaves", 0)
+                self.spec_leaves_taken += outcome.spec.get("leaves_taken", 0)
 
     def render(self, queue_depth: int, running: int, store_stats: dict | None) -> str:
         lines: list[str] = []
@@ -86,6 +90,10 @@ class Metrics:
                    [("", self.spec_drafted)])
             metric("jllm_spec_accepted_tokens_total", "counter", "Proposed tokens the target accepted.",
                    [("", self.spec_accepted)])
+            metric("jllm_spec_leaves_total", "counter", "Side leaves (the draft's second choices) verified.",
+                   [("", self.spec_leaves)])
+            metric("jllm_spec_leaves_taken_total", "counter", "Side leaves the target took.",
+                   [("", self.spec_leaves_taken)])
             rate = self.spec_accepted / self.spec_drafted if self.spec_drafted else 0.0
             metric("jllm_spec_acceptance_rate", "gauge", "Accepted / drafted tokens since start.",
                    [("", round(rate, 4))])
