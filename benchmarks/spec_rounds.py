@@ -2,7 +2,7 @@
 (spec_sim.py) predicts the measured speedup from those costs.
 
 Each chosen corpus prompt is decoded plain and then speculatively (greedy, as `jllm bench --spec`), while
-every target and draft forward pass is timed by its width. Each pass is counted in plain steps of its own
+every target and draft forward pass is timed by its width (a side leaf counts as a row). Each pass is counted in plain steps of its own
 prompt (the median of that prompt's plain one-token steps, measured seconds before), so a change of the
 host's memory phase between prompts moves both sides. Printed: the verify pass over k drafts, the draft's
 one- and two-token steps, the measured plain/speculative ratio, and the replay of the engine's policy over
@@ -99,9 +99,11 @@ def main() -> None:
                   f"{statistics.mean(ts):>6.3f} {pct(ts, .9):>6.3f}")
     d = statistics.median(draft[1])
     rows = [r for r in json.loads(Path(TRACES).read_text())["rows"] if r["id"] in {i["id"] for i in chosen}]
+    cfg = SpecConfig()                 # the engine's defaults, side leaves included
+    policy = {"kmax": cfg.draft_max, "p_min": cfg.p_min, "grow": 2, "leaf_p": cfg.leaf_p}
     cost = tokens = 0.0
     for r in rows:
-        c, t, _, _ = replay(r, {"kmax": 8, "p_min": 0.7, "grow": 2}, d, lambda k: V[min(k, 8)], DraftGate())
+        c, t, _, _ = replay(r, policy, d, lambda k: V[min(k, 8)], DraftGate())
         cost, tokens = cost + c, tokens + t
     print(f"\nmeasured plain / speculative decode time: {plain_s / spec_s:.3f}x ({plain_s:.1f} s / {spec_s:.1f} s)")
     print(f"replay of the same prompts' traces with these costs (d = {d:.3f}): {tokens / cost:.3f}x")
