@@ -63,8 +63,7 @@ double read_buffers(std::vector<torch::Tensor> bufs, int64_t mode, int64_t chunk
 
 def matrices(model) -> list[torch.Tensor]:
     """The bytes of every packed matrix of a forward pass, in the order the stack reads them."""
-    mats = [getattr(layer, k) for layer in model.w.layers for k in ("qkv", "o", "gate_up", "down")]
-    return [m.data[int(m.offsets[0]):int(m.offsets[-1])] for m in mats + [model.w.output]]
+    return [m.data[int(m.offsets[0]):int(m.offsets[-1])] for m in model.w.matrices()]
 
 
 def main() -> None:

@@ -240,8 +240,7 @@ def test_a_side_leaf_computes_what_a_decode_step_of_it_would(paths):
     step = cache_after(prefix + chain[:j])
     assert torch.equal(out[-1], model.forward(torch.tensor([alt]), step)[0])
     # moved to its position, the leaf's key and value are the decode step's
-    tree.k[:, :, start + j] = tree.k[:, :, start + len(chain)]
-    tree.v[:, :, start + j] = tree.v[:, :, start + len(chain)]
+    tree.move(start + len(chain), start + j)
     n = start + j + 1
     assert torch.equal(tree.k[:, :, :n], step.k[:, :, :n]) and torch.equal(tree.v[:, :, :n], step.v[:, :, :n])
     with pytest.raises(RuntimeError, match="leaf"):

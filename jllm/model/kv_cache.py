@@ -47,6 +47,12 @@ class KVCache:
             raise ValueError(f"cannot truncate a cache of {self.length} tokens to {n}")
         self.length = n
 
+    def move(self, src: int, dst: int) -> None:
+        """Copy the keys and values at position src to position dst (every layer and head): a speculative
+        side leaf, verified in a spare position, put where it belongs once taken."""
+        self.k[:, :, dst] = self.k[:, :, src]
+        self.v[:, :, dst] = self.v[:, :, src]
+
     def export(self, n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of the first n positions: k, v [n_layers, n_kv_heads, n, head_dim]."""
         n = self.length if n is None else n

@@ -234,9 +234,7 @@ class SpeculativeDecoder:
             stop = next((j for j in range(n) if accepted[j] in eng.tokenizer.eot_ids), None)
             keep = n if stop is None else stop        # like plain decoding, never keep an end-of-turn token
             if taken and keep == n:                   # the leaf's key and value move to its position
-                slot = before + len(block) - 1
-                eng.cache.k[:, :, before + n] = eng.cache.k[:, :, slot]
-                eng.cache.v[:, :, before + n] = eng.cache.v[:, :, slot]
+                eng.cache.move(before + len(block) - 1, before + n)
             eng.cache.truncate(before + 1 + keep)
             eng.cached_ids = eng.cached_ids[:before] + [last] + accepted[:keep]
             verify_s = time.perf_counter() - t0
