@@ -205,7 +205,7 @@ def test_exact_after_rollback(tiny):
 def test_int8_argmax_agrees_with_oracle(tiny, precision):
     ref, ids, expected = tiny
     got = run(load(ref, precision), ids, [SEQ_LEN])
-    agree = (got.argmax(-1) == expected.argmax(-1)).float().mean().item()
+    agree = (got.argmax(-1) == expected.argmax(-1)).sum().item() / got.shape[0]   # exact: 27 / 30 is 0.9
     assert agree >= INT8_ARGMAX_AGREEMENT, (f"int8 argmax agrees with the oracle at {agree:.0%} of positions "
                                             f"(max |diff| {(got - expected).abs().max().item():.3g})")
 

@@ -7,8 +7,10 @@ to stay near that of one and every row's result to be independent of the others 
 
 The build needs a C++ compiler (g++) and the Python headers, which is what `pip install` of any package with
 native code needs; it takes ~25 s once per torch version, after which the module loads in well under a
-second. Without a compiler, or on a CPU without AVX-512 VNNI, `qgemm()` returns None and callers fall back
-to the FBGEMM int8 path, after one line on stderr saying why.
+second. The build targets AVX-512 VNNI where the CPU has it, else AVX2 with FMA and F16C (the same results
+bit for bit; vecmath.h and qgemm.cpp say how); `JLLM_ISA=avx2` builds the AVX2 path on an AVX-512 CPU. Without
+a compiler, or on a CPU with neither, `qgemm()` returns None and callers fall back to the FBGEMM int8 path,
+after one line on stderr saying why.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from pathlib import Path
 
 _SOURCES = [Path(__file__).with_name(n) for n in ("qgemm.cpp", "attention.cpp", "rowwise.cpp", "layers.cpp")]
 _HEADERS = [Path(__file__).with_name(n) for n in ("vecmath.h", "kernels.h")]
-_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mf16c",
-          "-ffp-contract=off", "-fopenmp"]    # OpenMP: at::parallel_for shares torch's own thread pool
+_ISA_FLAGS = {"avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mf16c"],
+              "avx2": ["-mavx2", "-mfma", "-mf16c"]}
+_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]    # OpenMP: at::parallel_for shares torch's own thread pool
 _lock = threading.Lock()
 _module = None
 _tried = False
@@ -37,22 +40,30 @@ def _cpu_flags() -> set[str]:
     return set(next((ln for ln in text.splitlines() if ln.startswith("flags")), "").split())
 
 
-def _cpu_has_vnni() -> bool:
-    return {"avx512f", "avx512bw", "avx512_vnni"} <= _cpu_flags()
+def isa() -> str | None:
+    """The instruction set the kernels are built for on this CPU: "avx512" (with VNNI), "avx2" (with FMA and
+    F16C), or None. JLLM_ISA=avx2 asks for the AVX2 build where AVX-512 is there too."""
+    flags = _cpu_flags()
+    avx2 = {"avx2", "fma", "f16c"} <= flags
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"} <= flags and avx2 \
+            and os.environ.get("JLLM_ISA") != "avx2":
+        return "avx512"
+    return "avx2" if avx2 else None
 
 
 def native_possible() -> bool:
     """Whether qgemm() will try to build the kernels here (the CPU and the environment allow it), without
     building them."""
-    return not os.environ.get("JLLM_NO_KERNELS") and _cpu_has_vnni()
+    return not os.environ.get("JLLM_NO_KERNELS") and isa() is not None
 
 
 def _flags() -> list[str]:
-    """Compiler flags for this CPU: with GFNI (Ice Lake, Zen 4 and later; not Cascade Lake) the 4-bit
-    unpacking of one activation row takes one instruction fewer per register (qgemm.cpp). JLLM_NO_GFNI=1
+    """Compiler flags for this CPU. With AVX-512 and GFNI (Ice Lake, Zen 4 and later; not Cascade Lake) the
+    4-bit unpacking of one activation row takes one instruction fewer per register (qgemm.cpp). JLLM_NO_GFNI=1
     builds the other path (the tests check that both give the same bits)."""
-    gfni = "gfni" in _cpu_flags() and not os.environ.get("JLLM_NO_GFNI")
-    return _FLAGS + (["-mgfni", "-DJLLM_GFNI"] if gfni else [])
+    target = isa() or "avx2"
+    gfni = target == "avx512" and "gfni" in _cpu_flags() and not os.environ.get("JLLM_NO_GFNI")
+    return _FLAGS + _ISA_FLAGS[target] + (["-mgfni", "-DJLLM_GFNI"] if gfni else [])
 
 
 def build_dir() -> Path:
@@ -77,8 +88,8 @@ def qgemm():
         if os.environ.get("JLLM_NO_KERNELS"):
             _why_not = "JLLM_NO_KERNELS is set"
             return None
-        if not _cpu_has_vnni():
-            _why_not = "this CPU lacks AVX-512 VNNI"
+        if isa() is None:
+            _why_not = "this CPU has neither AVX-512 VNNI nor AVX2 with FMA and F16C"
             return None
         try:
             import torch.utils.cpp_extension as ext

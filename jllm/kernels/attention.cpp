@@ -34,25 +34,21 @@
 namespace {
 
 using c10::Half;
-using jllm::exp512;
-using jllm::tail_mask;
+using namespace jllm;
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+inline vf load16(const float* p) { return vload(p); }
+inline vf load16(const Half* p) { return vload_h(p); }
 
 // Sums of 16 vectors: lane j of the result is the sum of the lanes of a[j], by the same tree for every j.
-inline __m512 transpose_sum(__m512 a[16]) {
-    __m512 s[8], t[4], u[2];
+inline vf transpose_sum(vf a[16]) {
+    vf s[8], t[4], u[2];
     for (int i = 0; i < 8; ++i)          // each 128-bit lane: a[2i] lanes 0+2, a[2i+1] 0+2, a[2i] 1+3, a[2i+1] 1+3
-        s[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-    for (int i = 0; i < 4; ++i) {        // each 128-bit lane: the lane sums of a[4i .. 4i+3]
-        const __m512d x = _mm512_castps_pd(s[2 * i]), y = _mm512_castps_pd(s[2 * i + 1]);
-        t[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-    }
+        s[i] = vadd(vunpacklo(a[2 * i], a[2 * i + 1]), vunpackhi(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; ++i)          // each 128-bit lane: the lane sums of a[4i .. 4i+3]
+        t[i] = vadd(vunpacklo2(s[2 * i], s[2 * i + 1]), vunpackhi2(s[2 * i], s[2 * i + 1]));
     for (int i = 0; i < 2; ++i)          // 128-bit lanes 0+1 and 2+3 of t[2i], then of t[2i+1]
-        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+        u[i] = vadd(vquads_even(t[2 * i], t[2 * i + 1]), vquads_odd(t[2 * i], t[2 * i + 1]));
+    return vadd(vquads_even(u[0], u[1]), vquads_odd(u[0], u[1]));
 }
 
 // Any head dimension: the same steps with scalar tails (the tiny test models use odd sizes).
@@ -87,24 +83,25 @@ void item_any(const float* q, const E* k, const E* v, int64_t n, int64_t G, int6
 template <int D>
 struct Grouped {
     static constexpr int C = D / 16;
-    static constexpr int P = C >= 28 ? 1 : 28 / C;     // query heads whose value sums fit the registers
+    static constexpr int kBudget = kAvx512 ? 28 : 6;    // vectors of 16 for sums (32 registers, or AVX2's 16 of 8)
+    static constexpr int P = C >= kBudget ? 1 : kBudget / C;   // query heads whose value sums fit the registers
     static constexpr int VB = 32;                       // value rows converted at a time
 
     // out[p] += sum_{j < cnt} w[p][j] v_j for P heads (their weights `stride` apart; v rows in f32)
     template <int PP>
     static void values(const float* w, int64_t stride, const float* v, int64_t cnt, float* out) {
-        __m512 acc[PP][C];
+        vf acc[PP][C];
         for (int p = 0; p < PP; ++p)
-            for (int c = 0; c < C; ++c) acc[p][c] = _mm512_loadu_ps(out + p * D + 16 * c);
+            for (int c = 0; c < C; ++c) acc[p][c] = vload(out + p * D + 16 * c);
         for (int64_t j = 0; j < cnt; ++j) {
             const float* vj = v + j * D;
             for (int p = 0; p < PP; ++p) {
-                const __m512 wj = _mm512_set1_ps(w[p * stride + j]);
-                for (int c = 0; c < C; ++c) acc[p][c] = _mm512_fmadd_ps(wj, _mm512_loadu_ps(vj + 16 * c), acc[p][c]);
+                const vf wj = vset1(w[p * stride + j]);
+                for (int c = 0; c < C; ++c) acc[p][c] = vfmadd(wj, vload(vj + 16 * c), acc[p][c]);
             }
         }
         for (int p = 0; p < PP; ++p)
-            for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + p * D + 16 * c, acc[p][c]);
+            for (int c = 0; c < C; ++c) vstore(out + p * D + 16 * c, acc[p][c]);
     }
 
     template <typename E>
@@ -119,27 +116,26 @@ struct Grouped {
         alignas(64) thread_local float kb[16 * D];                 // 16 keys in f32 (aligned: whole-line loads)
         alignas(64) thread_local float vb[VB * D];                 // VB values in f32
         auto row = [&](int64_t t, int64_t g) { return scores + ((t - t0) * G + g) * stride + 16; };
-        const __m512 vscale = _mm512_set1_ps(scale);
+        const vf vscale = vset1(scale);
         for (int64_t j0 = jlo; j0 < jhi; j0 += 16) {
             for (int i = 0; i < 16; ++i)
                 for (int c = 0; c < C; ++c)
-                    _mm512_storeu_ps(kb + i * D + 16 * c,
-                                     j0 + i < jhi ? load16(k + (j0 + i) * D + 16 * c) : _mm512_setzero_ps());
+                    vstore(kb + i * D + 16 * c, j0 + i < jhi ? load16(k + (j0 + i) * D + 16 * c) : vzero());
             for (int64_t t = t0; t < t1; ++t) {
                 const int64_t lo = first(t), end = start + t + 1;      // this query's keys: lo .. end - 1
                 if (j0 + 16 <= lo || j0 >= end) continue;
                 // lanes of the keys it sees; the row holds key j at j - lo
-                const __mmask16 m = (__mmask16)(tail_mask(end - j0) & ~tail_mask(std::max<int64_t>(0, lo - j0)));
+                const vmask m = mask_and_not(tail_mask(end - j0), tail_mask(std::max<int64_t>(0, lo - j0)));
                 for (int64_t g = 0; g < G; ++g) {
                     const float* qg = qp + (t * H + hk * G + g) * D;
-                    __m512 acc[16];
-                    const __m512 q0 = _mm512_loadu_ps(qg);
-                    for (int i = 0; i < 16; ++i) acc[i] = _mm512_mul_ps(q0, _mm512_loadu_ps(kb + i * D));
+                    vf acc[16];
+                    const vf q0 = vload(qg);
+                    for (int i = 0; i < 16; ++i) acc[i] = vmul(q0, vload(kb + i * D));
                     for (int c = 1; c < C; ++c) {
-                        const __m512 qc = _mm512_loadu_ps(qg + 16 * c);
-                        for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(kb + i * D + 16 * c), acc[i]);
+                        const vf qc = vload(qg + 16 * c);
+                        for (int i = 0; i < 16; ++i) acc[i] = vfmadd(qc, vload(kb + i * D + 16 * c), acc[i]);
                     }
-                    _mm512_mask_storeu_ps(row(t, g) + (j0 - lo), m, _mm512_mul_ps(transpose_sum(acc), vscale));
+                    vstore_m(row(t, g) + (j0 - lo), m, vmul(transpose_sum(acc), vscale));
                 }
             }
         }
@@ -148,30 +144,27 @@ struct Grouped {
             const int64_t n = start + t + 1 - first(t);
             for (int64_t g = 0; g < G; ++g) {
                 float* wg = row(t, g);
-                __m512 mx = _mm512_set1_ps(-INFINITY);
+                vf mx = vset1(-INFINITY);
+                for (int64_t j = 0; j < n; j += 16)
+                    mx = vmax(mx, vload_or(vset1(-INFINITY), tail_mask(n - j), wg + j));
+                const vf vmx = vset1(vmaxval(mx));
+                vf sum = vzero();
                 for (int64_t j = 0; j < n; j += 16) {
-                    const __mmask16 m = tail_mask(n - j);
-                    mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, wg + j));
+                    const vmask m = tail_mask(n - j);
+                    const vf e = vkeep(m, vexp(vsub(vload_z(m, wg + j), vmx)));
+                    vstore_m(wg + j, m, e);
+                    sum = vadd(sum, e);
                 }
-                const __m512 vmax = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-                __m512 sum = _mm512_setzero_ps();
-                for (int64_t j = 0; j < n; j += 16) {
-                    const __mmask16 m = tail_mask(n - j);
-                    __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, wg + j), vmax));
-                    e = _mm512_maskz_mov_ps(m, e);
-                    _mm512_mask_storeu_ps(wg + j, m, e);
-                    sum = _mm512_add_ps(sum, e);
-                }
-                inv[(t - t0) * G + g] = 1.0f / _mm512_reduce_add_ps(sum);
+                inv[(t - t0) * G + g] = 1.0f / vsum(sum);
                 float* o = op + (t * H + hk * G + g) * D;
-                for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_setzero_ps());
+                for (int c = 0; c < C; ++c) vstore(o + 16 * c, vzero());
             }
         }
         // values, VB keys at a time; each query head's sums run over its keys in order
         for (int64_t j0 = jlo; j0 < jhi; j0 += VB) {
             const int64_t nb = std::min<int64_t>(VB, jhi - j0);
             for (int64_t i = 0; i < nb; ++i)
-                for (int c = 0; c < C; ++c) _mm512_storeu_ps(vb + i * D + 16 * c, load16(v + (j0 + i) * D + 16 * c));
+                for (int c = 0; c < C; ++c) vstore(vb + i * D + 16 * c, load16(v + (j0 + i) * D + 16 * c));
             for (int64_t t = t0; t < t1; ++t) {
                 const int64_t lo = first(t), end = start + t + 1;
                 const int64_t a = std::max(j0, lo), b = std::min(j0 + nb, end);
@@ -185,8 +178,8 @@ struct Grouped {
         for (int64_t t = t0; t < t1; ++t)
             for (int64_t g = 0; g < G; ++g) {
                 float* o = op + (t * H + hk * G + g) * D;
-                const __m512 s = _mm512_set1_ps(inv[(t - t0) * G + g]);
-                for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(o + 16 * c), s));
+                const vf s = vset1(inv[(t - t0) * G + g]);
+                for (int c = 0; c < C; ++c) vstore(o + 16 * c, vmul(vload(o + 16 * c), s));
             }
     }
 };

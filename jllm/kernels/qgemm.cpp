@@ -1,4 +1,4 @@
-// Block-quantized matrix multiply for x86 CPUs with AVX-512 VNNI: y[M, N] = x[M, K] @ W[N, K]^T (+ bias).
+// Block-quantized matrix multiply for x86 CPUs with AVX-512 VNNI or AVX2: y[M, N] = x[M, K] @ W[N, K]^T (+ bias).
 //
 // Weights (made by jllm/model/qlinear.py): tiles of 16 output rows; a tile is a sequence of blocks of 32
 // inputs, each holding 16 x 32 unsigned integer weights q with one (scale s, min m) pair per output row,
@@ -17,7 +17,8 @@
 //             64-byte planes of the 2 high bits (plane 0 for the low-nibble registers, plane 1 for the high
 //             ones; bits 2j, 2j+1 of a byte belong to register j), then the int8 codes; super-blocks as
 //             compact. 416 + 64 / g bytes a block instead of 576.
-// One `vpdpbusd` multiplies a register of weights with four activation bytes broadcast to all 16 rows.
+// One `vpdpbusd` multiplies a register of weights with four activation bytes broadcast to all 16 rows (AVX2:
+// each half of a register in its own pass, below).
 //
 // Activations: each row of x is quantized on its own, per block of 32, to int8 in [-127, 127] with scale
 // dx = amax / 127; bsx = dx * sum(q) carries the min term. So
@@ -36,6 +37,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "vecmath.h"
 
 namespace {
 
@@ -54,37 +56,45 @@ constexpr int kPrefetchL2 = JLLM_PREFETCH_L2;   // and far ahead (T1), when kFar
 #endif
 constexpr int kFarRows = JLLM_FAR_ROWS;
 
-#ifdef JLLM_GFNI
+#if defined(JLLM_GFNI) && defined(__AVX512F__)
 constexpr bool kGfni = true;      // GFNI unpacks nibbles for one row (nibbles() says why not for more)
 #else
 constexpr bool kGfni = false;
 #endif
 
-inline float hmax(__m512 v) { return _mm512_reduce_max_ps(v); }
-
-// x: [M, K] f32 -> xq [M, K] int8, dx [M, K/32], bsx [M, K/32]
-void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* bsx) {
-    const int64_t nb = K / 32;
-    for (int64_t r = 0; r < M; ++r) {
-        for (int64_t b = 0; b < nb; ++b) {
-            const float* p = x + r * K + b * 32;
-            __m512 a0 = _mm512_loadu_ps(p), a1 = _mm512_loadu_ps(p + 16);
-            float amax = hmax(_mm512_max_ps(_mm512_abs_ps(a0), _mm512_abs_ps(a1)));
-            float d = amax / 127.0f;
-            float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-            __m512 vid = _mm512_set1_ps(id);
-            __m512i q0 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(a0, vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            __m512i q1 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(a1, vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            _mm_storeu_si128((__m128i*)(xq + r * K + b * 32), _mm512_cvtsepi32_epi8(q0));
-            _mm_storeu_si128((__m128i*)(xq + r * K + b * 32 + 16), _mm512_cvtsepi32_epi8(q1));
-            int s = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-            dx[r * nb + b] = d;
-            bsx[r * nb + b] = d * (float)s;
-        }
-    }
-}
+using namespace jllm;
 
 enum Kind { kEight = 0, kFour = 1, kCompact = 2, kSix = 3 };
+
+#if defined(__AVX512F__)
+
+// Output rows of a tile one pass computes: all 16 in one register (vpdpbusd sums four byte products a lane).
+constexpr int kLanes = 16;
+using fv = __m512;
+using iv = __m512i;
+inline iv i_zero() { return _mm512_setzero_si512(); }
+inline fv f_zero() { return _mm512_setzero_ps(); }
+inline fv f_set1(float x) { return _mm512_set1_ps(x); }
+inline fv f_cvt(iv a) { return _mm512_cvtepi32_ps(a); }
+inline fv f_load_h(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+inline fv f_load_i8(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))); }
+inline fv f_mul(fv a, fv b) { return _mm512_mul_ps(a, b); }
+inline fv f_fmadd(fv a, fv b, fv c) { return _mm512_fmadd_ps(a, b, c); }
+inline fv f_fnmadd(fv a, fv b, fv c) { return _mm512_fnmadd_ps(a, b, c); }
+inline void f_store(float* y, int valid, const float* bias, fv acc) {
+    const __mmask16 mask = valid >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << valid) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
+    _mm512_mask_storeu_ps(y, mask, _mm512_add_ps(acc, bv));
+}
+
+// Rounds 32 floats to the nearest integers (|x| <= 127), stores them as int8 and returns their sum.
+inline int store_i8(vf a0, vf a1, int8_t* q) {
+    const __m512i q0 = _mm512_cvt_roundps_epi32(a0, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512i q1 = _mm512_cvt_roundps_epi32(a1, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128((__m128i*)q, _mm512_cvtsepi32_epi8(q0));
+    _mm_storeu_si128((__m128i*)(q + 16), _mm512_cvtsepi32_epi8(q1));
+    return _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+}
 
 // The 2 high bits of register j's bytes (bits 2j, 2j+1 of each plane byte) moved to bits 4 and 5; the other
 // bits are garbage for the caller to mask. 16-bit shifts: what crosses a byte boundary lands outside 4-5.
@@ -125,25 +135,170 @@ inline void nibbles(const uint8_t* p, __m512i plane0, __m512i plane1, const int3
     }
 }
 
+// The integer sums of one block for R activation rows: ia[r] lane o = sum_i q_w[o][i] q_x[r][i].
+template <int R, int KIND>
+inline void block_sums(const uint8_t* p, const int32_t* const* xb, iv* ia) {
+    for (int r = 0; r < R; ++r) ia[r] = i_zero();
+    if constexpr (KIND != kEight) {
+        __m512i plane0 = _mm512_setzero_si512(), plane1 = _mm512_setzero_si512();
+        if constexpr (KIND == kSix) {
+            plane0 = _mm512_loadu_si512(p + 256);
+            plane1 = _mm512_loadu_si512(p + 320);
+        }
+        nibbles<0, R, KIND == kSix>(p, plane0, plane1, xb, ia);
+        nibbles<1, R, KIND == kSix>(p, plane0, plane1, xb, ia);
+        nibbles<2, R, KIND == kSix>(p, plane0, plane1, xb, ia);
+        nibbles<3, R, KIND == kSix>(p, plane0, plane1, xb, ia);
+    } else {
+        for (int g = 0; g < 8; ++g) {
+            const __m512i v = _mm512_loadu_si512(p + 64 * g);
+            for (int r = 0; r < R; ++r) ia[r] = _mm512_dpbusd_epi32(ia[r], v, _mm512_set1_epi32(xb[r][g]));
+        }
+    }
+}
+
+#else  // AVX2
+
+// Output rows of a tile one pass computes: 8 (a tile takes two passes, one per half of each 64-byte
+// register). Without VNNI, vpmaddubsw multiplies unsigned weight bytes with signed activation bytes and adds
+// adjacent pairs to 16 bits, and vpmaddwd adds those pairs to 32. The pair sums stay below 2^15 (weights
+// <= 63, activations <= 127 in magnitude), so nothing saturates: the integer sums are exactly vpdpbusd's, and
+// the float work after them is the same per lane, so the results are bitwise those of the AVX-512 build.
+constexpr int kLanes = 8;
+using fv = __m256;
+using iv = __m256i;
+inline iv i_zero() { return _mm256_setzero_si256(); }
+inline fv f_zero() { return _mm256_setzero_ps(); }
+inline fv f_set1(float x) { return _mm256_set1_ps(x); }
+inline fv f_cvt(iv a) { return _mm256_cvtepi32_ps(a); }
+inline fv f_load_h(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+inline fv f_load_i8(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
+inline fv f_mul(fv a, fv b) { return _mm256_mul_ps(a, b); }
+inline fv f_fmadd(fv a, fv b, fv c) { return _mm256_fmadd_ps(a, b, c); }
+inline fv f_fnmadd(fv a, fv b, fv c) { return _mm256_fnmadd_ps(a, b, c); }
+inline void f_store(float* y, int valid, const float* bias, fv acc) {
+    if (valid >= 8) {
+        _mm256_storeu_ps(y, bias ? _mm256_add_ps(acc, _mm256_loadu_ps(bias)) : _mm256_add_ps(acc, _mm256_setzero_ps()));
+        return;
+    }
+    const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(valid < 0 ? 0 : valid), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256 bv = bias ? _mm256_maskload_ps(bias, m) : _mm256_setzero_ps();
+    _mm256_maskstore_ps(y, m, _mm256_add_ps(acc, bv));
+}
+
+inline int store_i8(vf a0, vf a1, int8_t* q) {
+    const __m256i q0 = _mm256_cvtps_epi32(a0.lo), q1 = _mm256_cvtps_epi32(a0.hi);    // nearest even (MXCSR)
+    const __m256i q2 = _mm256_cvtps_epi32(a1.lo), q3 = _mm256_cvtps_epi32(a1.hi);
+    // packs work within 128-bit lanes: dwords come out as q0[0:4] q1[0:4] q2[0:4] q3[0:4] q0[4:8] ...
+    const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q0, q1), _mm256_packs_epi32(q2, q3));
+    _mm256_storeu_si256((__m256i*)q, _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    const __m256i t = _mm256_add_epi32(_mm256_add_epi32(q0, q1), _mm256_add_epi32(q2, q3));
+    const __m128i u = _mm_add_epi32(_mm256_extracti128_si256(t, 1), _mm256_castsi256_si128(t));
+    const __m128i w = _mm_add_epi32(u, _mm_shuffle_epi32(u, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtsi128_si32(w) + _mm_extract_epi32(w, 1);
+}
+
+template <int J>
+inline __m256i high_bits(__m256i plane) {     // as the AVX-512 high_bits
+    if constexpr (J == 0) return _mm256_slli_epi16(plane, 4);
+    else if constexpr (J == 1) return _mm256_slli_epi16(plane, 2);
+    else if constexpr (J == 2) return plane;
+    else return _mm256_srli_epi16(plane, 2);
+}
+
+// p points at the block's first register plus this pass's half (32 bytes in).
+template <int R, int KIND>
+inline void block_sums(const uint8_t* p, const int32_t* const* xb, iv* ia) {
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    if constexpr (KIND == kEight) {
+        // bytes 0..255 would overflow the pair sums: their nibbles go separately, the high ones weighted 16
+        __m256i lo16[R], hi16[R];
+        for (int g = 0; g < 8; ++g) {
+            const __m256i v = _mm256_loadu_si256((const __m256i*)(p + 64 * g));
+            const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            for (int r = 0; r < R; ++r) {
+                const __m256i x = _mm256_set1_epi32(xb[r][g]);
+                const __m256i a = _mm256_maddubs_epi16(lo, x), b = _mm256_maddubs_epi16(hi, x);
+                lo16[r] = g ? _mm256_add_epi16(lo16[r], a) : a;      // 8 pairs of <= 15 * 127: below 2^15
+                hi16[r] = g ? _mm256_add_epi16(hi16[r], b) : b;
+            }
+        }
+        const __m256i sixteen = _mm256_set1_epi16(16);
+        for (int r = 0; r < R; ++r)
+            ia[r] = _mm256_add_epi32(_mm256_madd_epi16(lo16[r], ones), _mm256_madd_epi16(hi16[r], sixteen));
+    } else {
+        constexpr bool six = KIND == kSix;
+        __m256i plane0 = _mm256_setzero_si256(), plane1 = _mm256_setzero_si256();
+        if constexpr (six) {
+            plane0 = _mm256_loadu_si256((const __m256i*)(p + 256));
+            plane1 = _mm256_loadu_si256((const __m256i*)(p + 320));
+        }
+        const __m256i top = _mm256_set1_epi8(0x30);
+        __m256i s16[R];
+        auto reg = [&](auto jc) {
+            constexpr int J = decltype(jc)::value;
+            const __m256i v = _mm256_loadu_si256((const __m256i*)(p + 64 * J));
+            __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            if constexpr (six) {
+                lo = _mm256_or_si256(lo, _mm256_and_si256(high_bits<J>(plane0), top));
+                hi = _mm256_or_si256(hi, _mm256_and_si256(high_bits<J>(plane1), top));
+            }
+            for (int r = 0; r < R; ++r) {
+                const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xb[r][J])),
+                                                   _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xb[r][J + 4])));
+                if constexpr (six)      // 2 pairs of <= 63 * 127 each: to 32 bits at once
+                    ia[r] = J ? _mm256_add_epi32(ia[r], _mm256_madd_epi16(t, ones)) : _mm256_madd_epi16(t, ones);
+                else                    // 8 pairs of <= 15 * 127 over the block: below 2^15
+                    s16[r] = J ? _mm256_add_epi16(s16[r], t) : t;
+            }
+        };
+        reg(std::integral_constant<int, 0>{});
+        reg(std::integral_constant<int, 1>{});
+        reg(std::integral_constant<int, 2>{});
+        reg(std::integral_constant<int, 3>{});
+        if constexpr (!six)
+            for (int r = 0; r < R; ++r) ia[r] = _mm256_madd_epi16(s16[r], ones);
+    }
+}
+
+#endif
+
+// x: [M, K] f32 -> xq [M, K] int8, dx [M, K/32], bsx [M, K/32]
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* bsx) {
+    const int64_t nb = K / 32;
+    for (int64_t r = 0; r < M; ++r) {
+        for (int64_t b = 0; b < nb; ++b) {
+            const float* p = x + r * K + b * 32;
+            const vf a0 = vload(p), a1 = vload(p + 16);
+            const float amax = vmaxval(vmax(vabs(a0), vabs(a1)));
+            const float d = amax / 127.0f;
+            const vf vid = vset1(amax > 0.0f ? 127.0f / amax : 0.0f);
+            const int s = store_i8(vmul(a0, vid), vmul(a1, vid), xq + r * K + b * 32);
+            dx[r * nb + b] = d;
+            bsx[r * nb + b] = d * (float)s;
+        }
+    }
+}
+
+// Output rows half * kLanes .. + kLanes of one tile (half is 0 where a pass covers the tile) for R rows of x.
 template <int R, int KIND>
 inline void tile_rows(const uint8_t* w, int64_t nb, int64_t per_super, const int8_t* xq, const float* dx,
-                      const float* bsx, int64_t K, float* y, int64_t ldy, int valid, const float* bias) {
-    constexpr bool four = KIND != kEight;           // nibble registers (4-bit, compact and 6-bit tiles)
+                      const float* bsx, int64_t K, float* y, int64_t ldy, int valid, const float* bias, int half) {
     constexpr bool units = KIND == kCompact || KIND == kSix;
     constexpr int lines = KIND == kEight ? 9 : KIND == kSix ? 7 : 5;   // cache lines of a block
-    __m512 acc[R];
-    __m512 unit_s = _mm512_setzero_ps(), unit_m = _mm512_setzero_ps();     // compact: the super-block's D, Dm
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    const int lane0 = half * kLanes;           // this pass's first row of the tile: byte offsets 4, 2, 1 per row
+    fv acc[R];
+    fv unit_s = f_zero(), unit_m = f_zero();   // compact: the super-block's D, Dm
+    for (int r = 0; r < R; ++r) acc[r] = f_zero();
     const uint8_t* p = w;
     for (int64_t b = 0, in_super = 0; b < nb; ++b) {
         if (units && in_super-- == 0) {
-            unit_s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
-            unit_m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p + 32)));
+            unit_s = f_load_h(p + 2 * lane0);
+            unit_m = f_load_h(p + 32 + 2 * lane0);
             p += 64;
             in_super = per_super - 1;
         }
-        __m512i ia[R];
-        for (int r = 0; r < R; ++r) ia[r] = _mm512_setzero_si512();
+        iv ia[R];
         // With several rows, ask for the weights a few blocks ahead into L1, so memory streams while this block
         // computes, and much further ahead into L2: the compute per block is long enough to starve the stream
         // (verify passes: M = 5 went from 1.24-1.49x of M = 1 to 1.14-1.20x, benchmarks/kernel_stream.py).
@@ -155,56 +310,40 @@ inline void tile_rows(const uint8_t* w, int64_t nb, int64_t per_super, const int
         // the far prefetch M = 5 is 37.7; 6-8 KiB ahead is no better.
         // The far prefetch only from three rows: for two it cost 1.5 ms of a step in a slow phase (all target
         // matrices, 300 interleaved rounds: M = 2 32.35 -> 30.87 ms slow, 23.08 -> 23.04 fast; M = 3 needs it).
+        // (AVX2: the second half's pass reads what the first brought into cache.)
         if constexpr (R >= 2) {
-            for (int l = 0; l < lines; ++l) _mm_prefetch((const char*)p + kPrefetch + 64 * l, _MM_HINT_T0);
+            if (half == 0)
+                for (int l = 0; l < lines; ++l) _mm_prefetch((const char*)p + kPrefetch + 64 * l, _MM_HINT_T0);
         }
         if constexpr (R >= kFarRows) {
-            for (int l = 0; l < lines; ++l) _mm_prefetch((const char*)p + kPrefetchL2 + 64 * l, _MM_HINT_T1);
+            if (half == 0)
+                for (int l = 0; l < lines; ++l) _mm_prefetch((const char*)p + kPrefetchL2 + 64 * l, _MM_HINT_T1);
         }
         const int32_t* xb[R];
         for (int r = 0; r < R; ++r) xb[r] = (const int32_t*)(xq + r * K + b * 32);
-        if constexpr (four) {
-            __m512i plane0 = _mm512_setzero_si512(), plane1 = _mm512_setzero_si512();
-            if constexpr (KIND == kSix) {
-                plane0 = _mm512_loadu_si512(p + 256);
-                plane1 = _mm512_loadu_si512(p + 320);
-            }
-            nibbles<0, R, KIND == kSix>(p, plane0, plane1, xb, ia);
-            nibbles<1, R, KIND == kSix>(p, plane0, plane1, xb, ia);
-            nibbles<2, R, KIND == kSix>(p, plane0, plane1, xb, ia);
-            nibbles<3, R, KIND == kSix>(p, plane0, plane1, xb, ia);
-            p += KIND == kSix ? 384 : 256;
-        } else {
-            for (int g = 0; g < 8; ++g) {
-                __m512i v = _mm512_loadu_si512(p + 64 * g);
-                for (int r = 0; r < R; ++r)
-                    ia[r] = _mm512_dpbusd_epi32(ia[r], v, _mm512_set1_epi32(xb[r][g]));
-            }
-            p += 512;
-        }
-        __m512 sc, mn;
+        block_sums<R, KIND>(p + 4 * lane0, xb, ia);
+        p += KIND == kEight ? 512 : KIND == kSix ? 384 : 256;
+        fv sc, mn;
         if constexpr (units) {
-            sc = _mm512_mul_ps(unit_s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))));
-            mn = _mm512_mul_ps(unit_m, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 16)))));
+            sc = f_mul(unit_s, f_load_i8(p + lane0));
+            mn = f_mul(unit_m, f_load_i8(p + 16 + lane0));
             p += 32;
         } else {
-            sc = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
-            mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p + 32)));
+            sc = f_load_h(p + 2 * lane0);
+            mn = f_load_h(p + 32 + 2 * lane0);
             p += 64;
         }
         for (int r = 0; r < R; ++r) {
-            __m512 t = _mm512_mul_ps(sc, _mm512_set1_ps(dx[r * nb + b]));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[r]), t, acc[r]);
-            acc[r] = _mm512_fnmadd_ps(mn, _mm512_set1_ps(bsx[r * nb + b]), acc[r]);
+            const fv t = f_mul(sc, f_set1(dx[r * nb + b]));
+            acc[r] = f_fmadd(f_cvt(ia[r]), t, acc[r]);
+            acc[r] = f_fnmadd(mn, f_set1(bsx[r * nb + b]), acc[r]);
         }
     }
-    const __mmask16 mask = valid >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << valid) - 1);
-    __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy, mask, _mm512_add_ps(acc[r], bv));
+    for (int r = 0; r < R; ++r) f_store(y + r * ldy + lane0, valid - lane0, bias ? bias + lane0 : nullptr, acc[r]);
 }
 
 using TileFn = void (*)(const uint8_t*, int64_t, int64_t, const int8_t*, const float*, const float*, int64_t,
-                        float*, int64_t, int, const float*);
+                        float*, int64_t, int, const float*, int);
 template <int KIND>
 constexpr TileFn kByRows[kMaxRows + 1] = {nullptr, tile_rows<1, KIND>, tile_rows<2, KIND>, tile_rows<3, KIND>,
                                         tile_rows<4, KIND>, tile_rows<5, KIND>, tile_rows<6, KIND>,
@@ -274,8 +413,9 @@ void qmatmul_raw(const float* x, int64_t M, int64_t K, const QView& w, float* y,
                 const int rows = (int)std::min<int64_t>(chunk, M - r0);
                 for (int64_t t = t0; t < t1; ++t) {
                     const int valid = (int)std::min<int64_t>(16, n - 16 * t);
-                    kTile[kind[t]][rows](wp + off[t], nb, per_super, xqp + r0 * K, dxp + r0 * nb, bsp + r0 * nb, K,
-                                         y + r0 * n + 16 * t, n, valid, bp ? bp + 16 * t : nullptr);
+                    for (int half = 0; half * kLanes < valid; ++half)
+                        kTile[kind[t]][rows](wp + off[t], nb, per_super, xqp + r0 * K, dxp + r0 * nb, bsp + r0 * nb,
+                                             K, y + r0 * n + 16 * t, n, valid, bp ? bp + 16 * t : nullptr, half);
                 }
             }
         }
@@ -295,7 +435,8 @@ torch::Tensor qmatmul(torch::Tensor x, torch::Tensor data, torch::Tensor offsets
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.def("qmatmul", &qmatmul, "block-quantized matmul (AVX-512 VNNI)");
+    m.def("qmatmul", &qmatmul, "block-quantized matmul (AVX-512 VNNI, or AVX2)");
+    m.attr("isa") = kAvx512 ? "avx512" : "avx2";
     m.def("attention", &attention, "causal attention over the cache, one (query, kv head) item at a time");
     m.def("rms_norm", &rms_norm, "RMS norm per row");
     m.def("glu", &glu, "act(gate) * up, act silu or gelu-tanh");

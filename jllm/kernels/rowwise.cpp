@@ -15,22 +15,19 @@
 
 namespace {
 
-using jllm::exp512;
-using jllm::tail_mask;
+using namespace jllm;
 
 // One row: y = x / sqrt(mean(x^2) + eps) * w (y may be x: the row is read whole before it is written).
 inline void norm_row(const float* x, int64_t D, const float* w, float eps, float* y) {
-    __m512 ss = _mm512_setzero_ps();
+    vf ss = vzero();
     for (int64_t i = 0; i < D; i += 16) {
-        const __m512 v = _mm512_maskz_loadu_ps(tail_mask(D - i), x + i);
-        ss = _mm512_fmadd_ps(v, v, ss);
+        const vf v = vload_z(tail_mask(D - i), x + i);
+        ss = vfmadd(v, v, ss);
     }
-    const float scale = 1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / (float)D + eps);
-    const __m512 s = _mm512_set1_ps(scale);
+    const vf s = vset1(1.0f / std::sqrt(vsum(ss) / (float)D + eps));
     for (int64_t i = 0; i < D; i += 16) {
-        const __mmask16 m = tail_mask(D - i);
-        _mm512_mask_storeu_ps(y + i, m, _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), s),
-                                                      _mm512_maskz_loadu_ps(m, w + i)));
+        const vmask m = tail_mask(D - i);
+        vstore_m(y + i, m, vmul(vmul(vload_z(m, x + i), s), vload_z(m, w + i)));
     }
 }
 
@@ -47,8 +44,8 @@ void add_rms_norm_raw(float* x, const float* a, int64_t R, int64_t D, const floa
         float* xr = x + r * D;
         const float* ar = a + r * D;
         for (int64_t i = 0; i < D; i += 16) {
-            const __mmask16 m = tail_mask(D - i);
-            _mm512_mask_storeu_ps(xr + i, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, xr + i), _mm512_maskz_loadu_ps(m, ar + i)));
+            const vmask m = tail_mask(D - i);
+            vstore_m(xr + i, m, vadd(vload_z(m, xr + i), vload_z(m, ar + i)));
         }
         if (w) norm_row(xr, D, w, eps, y + r * D);
     }
@@ -67,24 +64,22 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
 }
 
 void glu_raw(const float* p, int64_t T, int64_t F, bool gelu, float* yp) {
-    const __m512 one = _mm512_set1_ps(1.0f), half = _mm512_set1_ps(0.5f);
-    const __m512 c0 = _mm512_set1_ps(0.7978845608028654f), c1 = _mm512_set1_ps(0.044715f);
+    const vf one = vset1(1.0f), half = vset1(0.5f), c0 = vset1(0.7978845608028654f), c1 = vset1(0.044715f);
     for (int64_t t = 0; t < T; ++t) {
         const float* g = p + t * 2 * F;
         const float* u = g + F;
         for (int64_t i = 0; i < F; i += 16) {
-            const __mmask16 m = tail_mask(F - i);
-            const __m512 x = _mm512_maskz_loadu_ps(m, g + i);
-            __m512 a;
+            const vmask m = tail_mask(F - i);
+            const vf x = vload_z(m, g + i);
+            vf a;
             if (gelu) {       // 0.5 x (1 + tanh(z)), tanh(z) = 1 - 2 / (e^{2z} + 1)
-                const __m512 z = _mm512_mul_ps(c0, _mm512_fmadd_ps(_mm512_mul_ps(c1, x), _mm512_mul_ps(x, x), x));
-                const __m512 th = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.0f),
-                                                                   _mm512_add_ps(exp512(_mm512_add_ps(z, z)), one)));
-                a = _mm512_mul_ps(_mm512_mul_ps(half, x), _mm512_add_ps(one, th));
+                const vf z = vmul(c0, vfmadd(vmul(c1, x), vmul(x, x), x));
+                const vf th = vsub(one, vdiv(vset1(2.0f), vadd(vexp(vadd(z, z)), one)));
+                a = vmul(vmul(half, x), vadd(one, th));
             } else {          // x / (1 + e^{-x})
-                a = _mm512_div_ps(x, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+                a = vdiv(x, vadd(one, vexp(vsub(vzero(), x))));
             }
-            _mm512_mask_storeu_ps(yp + t * F + i, m, _mm512_mul_ps(a, _mm512_maskz_loadu_ps(m, u + i)));
+            vstore_m(yp + t * F + i, m, vmul(a, vload_z(m, u + i)));
         }
     }
 }
@@ -128,7 +123,7 @@ void rope_store_raw(const float* q, int64_t qs, const float* k, int64_t ks, cons
             c10::Half* d = static_cast<c10::Half*>(cache) + at;
             int64_t i = 0;
             for (; i + 16 <= D; i += 16)        // round to nearest even, as c10::Half below
-                _mm256_storeu_si256((__m256i*)(d + i), _mm512_cvtps_ph(_mm512_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+                vstore_h(d + i, vload(x + i));
             for (; i < D; ++i) d[i] = c10::Half(x[i]);
         } else {
             std::copy(x, x + D, static_cast<float*>(cache) + at);
@@ -169,31 +164,38 @@ namespace {
 // The index of the largest of p[0 .. V), the first one on ties, a NaN counting as the largest (torch.argmax's
 // rules); every value -inf gives 0, as torch.
 int64_t argmax_row(const float* p, int64_t V) {
-    __m512 best = _mm512_set1_ps(-INFINITY);
-    __m512i at = _mm512_set1_epi32(-1), idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i step = _mm512_set1_epi32(16);
-    __mmask16 nan = 0;
-    for (int64_t i = 0; i < V; i += 16, idx = _mm512_add_epi32(idx, step)) {
-        const __mmask16 m = tail_mask(V - i);
-        const __m512 v = _mm512_maskz_loadu_ps(m, p + i);
-        nan |= _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q);
-        const __mmask16 gt = _mm512_mask_cmp_ps_mask(m, v, best, _CMP_GT_OQ);   // strictly: a lane keeps its first
-        best = _mm512_mask_mov_ps(best, gt, v);
-        at = _mm512_mask_mov_epi32(at, gt, idx);
+    // per lane: the largest value and its index (as a float: exact below 2^24)
+    vf best = vset1(-INFINITY), at = vset1(-1.0f);
+    vf idx = vzero();
+    {
+        alignas(64) float first[16];
+        for (int l = 0; l < 16; ++l) first[l] = (float)l;
+        idx = vload(first);
     }
-    if (nan) {
+    const vf step = vset1(16.0f);
+    vmask nan = tail_mask(0);
+    for (int64_t i = 0; i < V; i += 16, idx = vadd(idx, step)) {
+        const vmask m = tail_mask(V - i);
+        const vf v = vload_z(m, p + i);
+        nan = mask_or(nan, mask_and(m, visnan(v)));
+        const vmask gt = mask_and(m, vgt(v, best));     // strictly: a lane keeps its first
+        best = vselect(gt, v, best);
+        at = vselect(gt, idx, at);
+    }
+    if (mask_any(nan)) {
         int64_t arg = 0;
         while (!std::isnan(p[arg])) ++arg;
         return arg;
     }
-    alignas(64) float bv[16];
-    alignas(64) int32_t bi[16];
-    _mm512_store_ps(bv, best);
-    _mm512_store_si512(bi, at);
+    alignas(64) float bv[16], bi[16];
+    vstore(bv, best);
+    vstore(bi, at);
     float mv = -INFINITY;
     int64_t mi = -1;
-    for (int l = 0; l < 16; ++l)                // the largest value; among equal ones the lowest index
-        if (bi[l] >= 0 && (mi < 0 || bv[l] > mv || (bv[l] == mv && bi[l] < mi))) mv = bv[l], mi = bi[l];
+    for (int l = 0; l < 16; ++l) {              // the largest value; among equal ones the lowest index
+        const int64_t li = (int64_t)bi[l];
+        if (li >= 0 && (mi < 0 || bv[l] > mv || (bv[l] == mv && li < mi))) mv = bv[l], mi = li;
+    }
     return mi < 0 ? 0 : mi;
 }
 
@@ -208,13 +210,13 @@ std::tuple<int64_t, double> top_prob(torch::Tensor logits) {
     const float* x = logits.data_ptr<float>();
     const int64_t V = logits.numel();
     const int64_t arg = argmax_row(x, V);
-    const __m512 vm = _mm512_set1_ps(x[arg]);
-    __m512 sum = _mm512_setzero_ps();
+    const vf vm = vset1(x[arg]);
+    vf sum = vzero();
     for (int64_t i = 0; i < V; i += 16) {
-        const __mmask16 k = tail_mask(V - i);
-        sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(k, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + i), vm))));
+        const vmask k = tail_mask(V - i);
+        sum = vadd(sum, vkeep(k, vexp(vsub(vload_z(k, x + i), vm))));
     }
-    return {arg, 1.0 / (double)_mm512_reduce_add_ps(sum)};
+    return {arg, 1.0 / (double)vsum(sum)};
 }
 
 // x: [R, V] (or [V]) f32 -> argmax_row of each row (torch.argmax's rules, so greedy choices are the same as

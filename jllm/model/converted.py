@@ -35,6 +35,9 @@ _DTYPES = {"int8": torch.int8, "float32": torch.float32, "uint8": torch.uint8, "
 def cache_key(gguf_path: Path, precision: str) -> str:
     st = os.stat(gguf_path)
     ident = f"{Path(gguf_path).resolve()}|{st.st_size}|{st.st_mtime_ns}|{precision}|v{VERSION}"
+    if precision == "int8":                       # 8- or 7-bit weights by the CPU (model/linear.py)
+        from jllm.model.linear import WEIGHT_LEVELS
+        ident += f"|{WEIGHT_LEVELS:g}"
     return hashlib.sha256(ident.encode()).hexdigest()[:32]
 
 
