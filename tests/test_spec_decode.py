@@ -191,6 +191,43 @@ def test_draft_gate_carries_its_estimates_into_the_next_generation():
     assert picks[:11] == ["plain"] * 11 and picks.count("draft") == 2
 
 
+def test_row_cost_is_fitted_from_the_verify_passes():
+    from jllm.spec.costs import RowCost
+
+    rows = RowCost(prior=0.1)
+    for _ in range(20):
+        rows.add(3, 0.030)                                 # one draft count only: nothing to fit, the prior
+    assert rows.fit() is None and rows.value == 0.1
+    g = torch.Generator().manual_seed(0)
+    for i in range(200):                                   # 20 ms a step and 5 ms a row, 2 % noise
+        k = i % 6
+        rows.add(k, (0.020 + 0.005 * k) * (1 + 0.02 * torch.randn(1, generator=g).item()))
+    assert abs(rows.value - 0.25) < 0.03
+    for i in range(200):                                   # memory gets faster, the rows' compute stays
+        k = i % 6
+        rows.add(k, 0.012 + 0.005 * k)
+    assert abs(rows.value - 0.005 / 0.012) < 0.02          # the old rounds have decayed away
+
+
+def test_draft_gate_runs_side_leaves_only_where_rows_are_cheap():
+    from jllm.spec.decode import DraftGate
+
+    def gate_on(row_s, taken):
+        gate = DraftGate()
+        for i in range(60):
+            k = 1 + i % 4
+            gate.observe(0.020 + row_s * k, k, 0.005)
+            gate.record(1 + 0.6 * k, k, k)
+            gate.observe_leaf(i % 4 < 4 * taken)
+        return gate
+
+    cheap = gate_on(0.001, 0.25)                           # rows at 0.05 of a step: a leaf taken 1 in 4 pays
+    assert abs(cheap.rows.value - 0.05) < 0.01 and cheap.leaf_pays()
+    dear = gate_on(0.005, 0.25)                            # at 0.25 of a step (AVX2): it does not
+    assert abs(dear.rows.value - 0.25) < 0.01 and not dear.leaf_pays()
+    assert gate_on(0.005, 0.75).leaf_pays()                # unless leaves are taken far more often
+
+
 def test_engine_keeps_one_gate_across_turns(paths):
     eng = engine(paths["target"], paths["other"], mode="draft", p_min=0.0, precision="native")
     eng.generate(PROMPT, SamplingParams(max_tokens=8))
@@ -257,7 +294,7 @@ def test_side_leaves_keep_the_output_and_are_taken(paths, monkeypatch):
     plain = engine(paths["target"], precision="native")
     p = SamplingParams(max_tokens=40)
     ref = plain.generate(PROMPT, p)
-    spec = engine(paths["target"], paths["other"], mode="draft", p_min=0.0, precision="native")
+    spec = engine(paths["target"], paths["other"], mode="draft", p_min=0.0, precision="native", leaf_gate=False)
     n_prompt = len(spec.encode(PROMPT))
     vocab = spec.model.cfg.vocab_size
     target_text = ref.token_ids
@@ -291,7 +328,8 @@ def test_side_leaves_with_a_real_draft_keep_the_output(paths):
     plain = engine(paths["target"], precision="native")
     p = SamplingParams(max_tokens=40)
     ref = plain.generate(PROMPT, p)
-    spec = engine(paths["target"], paths["other"], mode="draft", p_min=0.0, precision="native", leaf_p=1.01)
+    spec = engine(paths["target"], paths["other"], mode="draft", p_min=0.0, precision="native", leaf_p=1.01,
+                  leaf_gate=False)
     assert spec.generate(PROMPT, p).token_ids == ref.token_ids
     assert spec.spec_stats.as_dict()["leaves"] > 0
     assert spec.cached_ids == plain.cached_ids

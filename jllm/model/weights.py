@@ -27,7 +27,7 @@ from jllm.model.qlinear import PackedMatrix, QLinear, pack_gguf_rows
 
 # exact: f32 dequantized weights, f32 activations (the oracle path, 4 bytes per weight)
 # native: the GGUF's own 4-bit blocks (Q4_K exactly, 0.58 bytes a weight), Q6_K on 6-bit tiles, other wide
-#         types on 8-bit ones; int8 activations per block of 32, on jllm's AVX-512 VNNI kernel
+#         types on 8-bit ones; int8 activations per block of 32, on jllm's AVX-512 VNNI or AVX2 kernel
 #         (model/qlinear.py; the CPU default where it builds; 0.0015 nats KL from exact on the 1.5B)
 # native4: native with every wider type requantized to 4 bits (the draft model's default: fewer bytes)
 # int8: int8 weights on FBGEMM, two-pass int8 activations (the CPU fallback; 0.0018 nats KL from exact)

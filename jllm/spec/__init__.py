@@ -16,3 +16,6 @@ DRAFT_VOCAB = 65536
 # the engine's gate (benchmarks/spec_sim.py sim, costs measured in the loop): 1.67x -> 1.74x where rows are
 # cheap (slow memory phase, 0.5: 1.71x, 0.9: 1.74x), 1.40x -> 1.41x where they are not (fast phase).
 LEAF_P = 0.7
+# The share of side leaves taken, assumed until the decoder has seen some (269 of 1,086 in a corpus run);
+# with the measured cost of a row it decides whether leaves pay on this machine (DraftGate.leaf_pays).
+LEAF_TAKEN = 0.25

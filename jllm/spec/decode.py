@@ -23,7 +23,8 @@ from jllm.engine import common_prefix, fill_cache
 from jllm.model.transformer import Transformer
 from jllm.sampling import SamplingParams, make_generator, probs, sample
 from jllm.sampling import argmax as greedy_ids
-from jllm.spec import DRAFT_MAX, DRAFT_MIN, DRAFT_VOCAB, LEAF_P, P_MIN
+from jllm.spec import DRAFT_MAX, DRAFT_MIN, DRAFT_VOCAB, LEAF_P, LEAF_TAKEN, P_MIN
+from jllm.spec.costs import RowCost
 from jllm.spec.ngram import NgramProposer
 from jllm.spec.rejection import draw, verify_greedy, verify_sampled
 
@@ -43,6 +44,7 @@ class SpecConfig:
                                     # only proposes: fewer bytes beat precision), else the target's own
     leaf_p: float = LEAF_P      # greedy: also verify the draft's second choice at its least confident drafted
                                 # position when the draft gave its own token less than this (0: never)
+    leaf_gate: bool = True      # ... and only while the measured cost of a row says leaves pay (False: always)
 
 
 def draft_precision_for(target_precision: str, choice: str = "auto") -> str:
@@ -185,7 +187,8 @@ class SpeculativeDecoder:
                 if d and (self.ngram.last_match_len >= self.cfg.ngram_min_match or not self.use_draft):
                     return "ngram", d, None
             if self.use_draft and self.gate.choose() == "draft":
-                leaf_p = self.leaf_p if params.greedy and params.repeat_penalty == 1.0 else 0.0
+                greedy = params.greedy and params.repeat_penalty == 1.0
+                leaf_p = self.leaf_p if greedy and (not self.cfg.leaf_gate or self.gate.leaf_pays()) else 0.0
                 d, q = self.draft.propose(context, min(self.k["draft"], room), self.cfg.p_min, params, gen,
                                           k_min=self.cfg.draft_min, leaf_p=leaf_p)
                 return "draft", d, q
@@ -247,6 +250,8 @@ class SpeculativeDecoder:
                 self.stats.record(kind, len(drafts), n - taken)      # the chain's; leaves apart
                 self.stats.leaves += leaf is not None
                 self.stats.leaves_taken += taken
+                if leaf is not None:
+                    self.gate.observe_leaf(taken)
                 self._adapt(kind, len(drafts), n)
             for tok in accepted[:n]:
                 history.append(tok)
@@ -300,6 +305,8 @@ class DraftGate:
         self.target_step = None      # seconds per target step, from verify passes: time / (1 + row_cost * k)
         self.evidence = 0            # draft rounds seen
         self.lost = 0                # trials lost in a row
+        self.rows = RowCost()        # what one more row of a verify pass costs, measured (spec/costs.py)
+        self.leaf_rate = LEAF_TAKEN  # share of side leaves taken, a moving average
         self.new_generation()
 
     def new_generation(self) -> None:
@@ -330,8 +337,20 @@ class DraftGate:
             return "draft"
         return "plain"
 
+    def leaf_pays(self) -> bool:
+        """Whether a side leaf is worth its row: it costs one row (rows.value target steps) and brings one
+        token when taken, so it pays while its take rate beats what the row's time yields in draft rounds
+        (value() tokens a step). Cheap rows (AVX-512 while memory is slow): on; a Zen 3's AVX2 rows at ~0.25
+        of a step: off (trace replay with that machine's costs: 1.28x with leaves, 1.31x without)."""
+        return self.leaf_rate >= self.rows.value * (self.value() or 1.0)
+
+    def observe_leaf(self, taken: bool) -> None:
+        self.leaf_rate = self._avg(self.leaf_rate, float(taken))
+
     def observe(self, verify_s: float, k: int, draft_step_s: float | None = None) -> None:
-        """Times of one round: its verify pass over k drafts, and the draft's one-token step if it ran one."""
+        """Times of one round: its verify pass over k rows past the first, and the draft's one-token step if it
+        ran one."""
+        self.rows.add(k, verify_s)
         self.target_step = self._avg(self.target_step, verify_s / (1 + self.row_cost * k))
         if draft_step_s is not None:
             self.draft_step = self._avg(self.draft_step, draft_step_s)
