@@ -49,7 +49,7 @@ def main() -> None:
             for _ in range(args.calls):
                 lin(x)
             times[(name, m)].append((time.perf_counter() - t) / args.calls)
-    print(f"ISA {kernels.qgemm().isa}, one thread, {rows} x {cols}, medians of {args.rounds} rounds")
+    print(f"ISA {getattr(kernels.qgemm(), 'isa', 'avx512')}, one thread, {rows} x {cols}, medians of {args.rounds} rounds")
     print(f"{'tiles':>14} {'M':>3} {'ns/block':>9} {'ns/block/row':>13}")
     for (name, m), v in times.items():
         ns = statistics.median(v) * 1e9 / blocks

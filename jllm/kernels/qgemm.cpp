@@ -298,7 +298,8 @@ inline void tile_rows(const uint8_t* w, int64_t nb, int64_t per_super, const int
                       const float* bsx, int64_t K, float* y, int64_t ldy, int valid, const float* bias, int half) {
     constexpr bool units = KIND == kCompact || KIND == kSix;
     constexpr int lines = KIND == kEight ? 9 : KIND == kSix ? 7 : 5;   // cache lines of a block
-    const int lane0 = half * kLanes;           // this pass's first row of the tile: byte offsets 4, 2, 1 per row
+    // this pass's first row of the tile (byte offsets 4, 2, 1 a row); AVX-512 has one pass: a constant 0
+    const int lane0 = kAvx512 ? 0 : half * kLanes;
     fv acc[R];
     fv unit_s = f_zero(), unit_m = f_zero();   // compact: the super-block's D, Dm
     _Pragma("GCC unroll 10") for (int r = 0; r < R; ++r) acc[r] = f_zero();
@@ -324,11 +325,11 @@ inline void tile_rows(const uint8_t* w, int64_t nb, int64_t per_super, const int
         // matrices, 300 interleaved rounds: M = 2 32.35 -> 30.87 ms slow, 23.08 -> 23.04 fast; M = 3 needs it).
         // (AVX2: the second half's pass reads what the first brought into cache.)
         if constexpr (R >= 2) {
-            if (half == 0)
+            if (lane0 == 0)
                 for (int l = 0; l < lines; ++l) _mm_prefetch((const char*)p + kPrefetch + 64 * l, _MM_HINT_T0);
         }
         if constexpr (R >= kFarRows) {
-            if (half == 0)
+            if (lane0 == 0)
                 for (int l = 0; l < lines; ++l) _mm_prefetch((const char*)p + kPrefetchL2 + 64 * l, _MM_HINT_T1);
         }
         const int32_t* xb[R];
