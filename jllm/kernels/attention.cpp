@@ -39,16 +39,52 @@ using namespace jllm;
 inline vf load16(const float* p) { return vload(p); }
 inline vf load16(const Half* p) { return vload_h(p); }
 
-// Sums of 16 vectors: lane j of the result is the sum of the lanes of a[j], by the same tree for every j.
-inline vf transpose_sum(vf a[16]) {
-    vf s[8], t[4], u[2];
-    for (int i = 0; i < 8; ++i)          // each 128-bit lane: a[2i] lanes 0+2, a[2i+1] 0+2, a[2i] 1+3, a[2i+1] 1+3
-        s[i] = vadd(vunpacklo(a[2 * i], a[2 * i + 1]), vunpackhi(a[2 * i], a[2 * i + 1]));
-    for (int i = 0; i < 4; ++i)          // each 128-bit lane: the lane sums of a[4i .. 4i+3]
-        t[i] = vadd(vunpacklo2(s[2 * i], s[2 * i + 1]), vunpackhi2(s[2 * i], s[2 * i + 1]));
-    for (int i = 0; i < 2; ++i)          // 128-bit lanes 0+1 and 2+3 of t[2i], then of t[2i+1]
-        u[i] = vadd(vquads_even(t[2 * i], t[2 * i + 1]), vquads_odd(t[2 * i], t[2 * i + 1]));
-    return vadd(vquads_even(u[0], u[1]), vquads_odd(u[0], u[1]));
+// Lane sums of four vectors: lane j (of each 128-bit quarter) holds the sum of a[j]'s lanes there. The first
+// two levels of the tree below.
+__attribute__((always_inline)) inline vf sum4(const vf* a) {
+    const vf s0 = vadd(vunpacklo(a[0], a[1]), vunpackhi(a[0], a[1]));    // each 128-bit lane: a0 lanes 0+2, a1 0+2, a0 1+3, a1 1+3
+    const vf s1 = vadd(vunpacklo(a[2], a[3]), vunpackhi(a[2], a[3]));
+    return vadd(vunpacklo2(s0, s1), vunpackhi2(s0, s1));                 // each 128-bit lane: the lane sums of a0 .. a3
+}
+
+// Sums of 16 vectors a[0 .. 15] from sum4 of each four: lane j of the result is the sum of the lanes of a[j],
+// by the same tree for every j.
+__attribute__((always_inline)) inline vf sum16(const vf t[4]) {
+    const vf u0 = vadd(vquads_even(t[0], t[1]), vquads_odd(t[0], t[1]));  // 128-bit lanes 0+1 and 2+3
+    const vf u1 = vadd(vquads_even(t[2], t[3]), vquads_odd(t[2], t[3]));
+    return vadd(vquads_even(u0, u1), vquads_odd(u0, u1));
+}
+
+// a[i] = lane products of q and key i (N keys D = 16 C apart), summed over the C vectors of a head.
+template <int C, int N>
+__attribute__((always_inline)) inline void dots(const float* q, const float* kb, vf* a) {
+    const vf q0 = vload(q);
+    for (int i = 0; i < N; ++i) a[i] = vmul(q0, vload(kb + i * 16 * C));
+    for (int c = 1; c < C; ++c) {
+        const vf qc = vload(q + 16 * c);
+        for (int i = 0; i < N; ++i) a[i] = vfmadd(qc, vload(kb + i * 16 * C + 16 * c), a[i]);
+    }
+}
+
+// The scores of 16 keys with one query head. AVX-512 runs 16 accumulators at once (its 32 registers); AVX2
+// four at a time, as sixteen would take all of its 16 registers twice over (context 500, five queries:
+// 0.261 -> 0.225 ms a layer, and at context 1,000 0.515 -> 0.394; benchmarks/attention_bench.py). The same
+// products and the same tree either way: bitwise the same scores.
+template <int C>
+__attribute__((always_inline)) inline vf scores16(const float* q, const float* kb) {
+    vf t[4];
+    if constexpr (kAvx512) {
+        vf a[16];
+        dots<C, 16>(q, kb, a);
+        for (int g = 0; g < 4; ++g) t[g] = sum4(a + 4 * g);
+    } else {
+        for (int g = 0; g < 4; ++g) {
+            vf a[4];
+            dots<C, 4>(q, kb + g * 4 * 16 * C, a);
+            t[g] = sum4(a);
+        }
+    }
+    return sum16(t);
 }
 
 // Any head dimension: the same steps with scalar tails (the tiny test models use odd sizes).
@@ -83,25 +119,30 @@ void item_any(const float* q, const E* k, const E* v, int64_t n, int64_t G, int6
 template <int D>
 struct Grouped {
     static constexpr int C = D / 16;
-    static constexpr int kBudget = kAvx512 ? 28 : 6;    // vectors of 16 for sums (32 registers, or AVX2's 16 of 8)
-    static constexpr int P = C >= kBudget ? 1 : kBudget / C;   // query heads whose value sums fit the registers
+    static constexpr int P = C >= 28 ? 1 : 28 / C;     // query heads whose value sums fit the registers
+    // AVX2 (16 registers of 8 floats): one head, and a quarter of a head's vectors at a time for D = 128
+    // (two passes over the value rows; each sum is still over the keys in order)
+    static constexpr int PV = kAvx512 ? P : 1;
+    static constexpr int CC = kAvx512 ? C : (C < 4 ? C : 4);
     static constexpr int VB = 32;                       // value rows converted at a time
 
     // out[p] += sum_{j < cnt} w[p][j] v_j for P heads (their weights `stride` apart; v rows in f32)
     template <int PP>
     static void values(const float* w, int64_t stride, const float* v, int64_t cnt, float* out) {
-        vf acc[PP][C];
-        for (int p = 0; p < PP; ++p)
-            for (int c = 0; c < C; ++c) acc[p][c] = vload(out + p * D + 16 * c);
-        for (int64_t j = 0; j < cnt; ++j) {
-            const float* vj = v + j * D;
-            for (int p = 0; p < PP; ++p) {
-                const vf wj = vset1(w[p * stride + j]);
-                for (int c = 0; c < C; ++c) acc[p][c] = vfmadd(wj, vload(vj + 16 * c), acc[p][c]);
+        for (int c0 = 0; c0 < C; c0 += CC) {
+            vf acc[PP][CC];
+            for (int p = 0; p < PP; ++p)
+                for (int c = 0; c < CC; ++c) acc[p][c] = vload(out + p * D + 16 * (c0 + c));
+            for (int64_t j = 0; j < cnt; ++j) {
+                const float* vj = v + j * D + 16 * c0;
+                for (int p = 0; p < PP; ++p) {
+                    const vf wj = vset1(w[p * stride + j]);
+                    for (int c = 0; c < CC; ++c) acc[p][c] = vfmadd(wj, vload(vj + 16 * c), acc[p][c]);
+                }
             }
+            for (int p = 0; p < PP; ++p)
+                for (int c = 0; c < CC; ++c) vstore(out + p * D + 16 * (c0 + c), acc[p][c]);
         }
-        for (int p = 0; p < PP; ++p)
-            for (int c = 0; c < C; ++c) vstore(out + p * D + 16 * c, acc[p][c]);
     }
 
     template <typename E>
@@ -128,14 +169,7 @@ struct Grouped {
                 const vmask m = mask_and_not(tail_mask(end - j0), tail_mask(std::max<int64_t>(0, lo - j0)));
                 for (int64_t g = 0; g < G; ++g) {
                     const float* qg = qp + (t * H + hk * G + g) * D;
-                    vf acc[16];
-                    const vf q0 = vload(qg);
-                    for (int i = 0; i < 16; ++i) acc[i] = vmul(q0, vload(kb + i * D));
-                    for (int c = 1; c < C; ++c) {
-                        const vf qc = vload(qg + 16 * c);
-                        for (int i = 0; i < 16; ++i) acc[i] = vfmadd(qc, vload(kb + i * D + 16 * c), acc[i]);
-                    }
-                    vstore_m(row(t, g) + (j0 - lo), m, vmul(transpose_sum(acc), vscale));
+                    vstore_m(row(t, g) + (j0 - lo), m, vmul(scores16<C>(qg, kb), vscale));
                 }
             }
         }
@@ -171,7 +205,7 @@ struct Grouped {
                 if (a >= b) continue;
                 float* o = op + (t * H + hk * G) * D;
                 int64_t g = 0;
-                for (; g + P <= G; g += P) values<P>(row(t, g) + (a - lo), stride, vb + (a - j0) * D, b - a, o + g * D);
+                for (; g + PV <= G; g += PV) values<PV>(row(t, g) + (a - lo), stride, vb + (a - j0) * D, b - a, o + g * D);
                 for (; g < G; ++g) values<1>(row(t, g) + (a - lo), stride, vb + (a - j0) * D, b - a, o + g * D);
             }
         }
