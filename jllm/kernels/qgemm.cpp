@@ -41,8 +41,15 @@
 
 namespace {
 
-constexpr int kRows = 8;          // activation rows computed together against one tile (up to kMaxRows when
-constexpr int kMaxRows = 10;      // that covers the whole call: a verify pass of k + 1 <= 10 rows is one chunk)
+// Activation rows computed together against one tile (up to kMaxRows when that covers the whole call: a
+// verify pass of k + 1 <= 10 rows is one chunk). 8 also on AVX2, though 8 rows' sums spill some of its 16
+// registers: all target matrices at M = 64 (a prefill chunk), 8 interleaved rounds, 705 ms against 733-750
+// with chunks of 4-6 rows and 865 against 818 with 10 (benchmarks/kernel_variants.py, -DJLLM_CHUNK_ROWS=N).
+#ifndef JLLM_CHUNK_ROWS
+#define JLLM_CHUNK_ROWS 8
+#endif
+constexpr int kRows = JLLM_CHUNK_ROWS;
+constexpr int kMaxRows = 10;
 #ifndef JLLM_PREFETCH
 #define JLLM_PREFETCH 4096
 #endif
