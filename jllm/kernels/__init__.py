@@ -15,6 +15,7 @@ after one line on stderr saying why.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import sys
@@ -32,18 +33,20 @@ _tried = False
 _why_not: str | None = None
 
 
-def _cpu_flags() -> set[str]:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where it cannot be read), read once."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
-    return set(next((ln for ln in text.splitlines() if ln.startswith("flags")), "").split())
+        return frozenset()
+    return frozenset(next((ln for ln in text.splitlines() if ln.startswith("flags")), "").split())
 
 
 def isa() -> str | None:
     """The instruction set the kernels are built for on this CPU: "avx512" (with VNNI), "avx2" (with FMA and
     F16C), or None. JLLM_ISA=avx2 asks for the AVX2 build where AVX-512 is there too."""
-    flags = _cpu_flags()
+    flags = cpu_flags()
     avx2 = {"avx2", "fma", "f16c"} <= flags
     if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"} <= flags and avx2 \
             and os.environ.get("JLLM_ISA") != "avx2":
@@ -62,7 +65,7 @@ def _flags() -> list[str]:
     4-bit unpacking of one activation row takes one instruction fewer per register (qgemm.cpp). JLLM_NO_GFNI=1
     builds the other path (the tests check that both give the same bits)."""
     target = isa() or "avx2"
-    gfni = target == "avx512" and "gfni" in _cpu_flags() and not os.environ.get("JLLM_NO_GFNI")
+    gfni = target == "avx512" and "gfni" in cpu_flags() and not os.environ.get("JLLM_NO_GFNI")
     return _FLAGS + _ISA_FLAGS[target] + (["-mgfni", "-DJLLM_GFNI"] if gfni else [])
 
 
@@ -78,7 +81,7 @@ def build_dir() -> Path:
 
 def qgemm():
     """The compiled kernel module (qmatmul, attention, rms_norm, glu, rope_store), or None where it cannot run
-    here. The CPU is checked before anything is compiled (/proc/cpuinfo), so a CPU without VNNI never pays
+    here. The CPU is checked before anything is compiled (/proc/cpuinfo), so a CPU without AVX2 never pays
     for a build."""
     global _module, _tried, _why_not
     with _lock:

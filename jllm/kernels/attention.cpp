@@ -119,10 +119,10 @@ void item_any(const float* q, const E* k, const E* v, int64_t n, int64_t G, int6
 template <int D>
 struct Grouped {
     static constexpr int C = D / 16;
-    static constexpr int P = C >= 28 ? 1 : 28 / C;     // query heads whose value sums fit the registers
-    // AVX2 (16 registers of 8 floats): one head, and a quarter of a head's vectors at a time for D = 128
-    // (two passes over the value rows; each sum is still over the keys in order)
-    static constexpr int PV = kAvx512 ? P : 1;
+    // query heads whose value sums fit the registers; on AVX2 (16 registers of 8 floats) one, and a quarter
+    // of a head's vectors at a time for D = 128 (two passes over the value rows; each sum is still over the
+    // keys in order)
+    static constexpr int P = kAvx512 ? (C >= 28 ? 1 : 28 / C) : 1;
     static constexpr int CC = kAvx512 ? C : (C < 4 ? C : 4);
     static constexpr int VB = 32;                       // value rows converted at a time
 
@@ -205,7 +205,7 @@ struct Grouped {
                 if (a >= b) continue;
                 float* o = op + (t * H + hk * G) * D;
                 int64_t g = 0;
-                for (; g + PV <= G; g += PV) values<PV>(row(t, g) + (a - lo), stride, vb + (a - j0) * D, b - a, o + g * D);
+                for (; g + P <= G; g += P) values<P>(row(t, g) + (a - lo), stride, vb + (a - j0) * D, b - a, o + g * D);
                 for (; g < G; ++g) values<1>(row(t, g) + (a - lo), stride, vb + (a - j0) * D, b - a, o + g * D);
             }
         }

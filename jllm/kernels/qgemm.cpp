@@ -185,10 +185,11 @@ inline fv f_fmadd(fv a, fv b, fv c) { return _mm256_fmadd_ps(a, b, c); }
 inline fv f_fnmadd(fv a, fv b, fv c) { return _mm256_fnmadd_ps(a, b, c); }
 inline void f_store(float* y, int valid, const float* bias, fv acc) {
     if (valid >= 8) {
-        _mm256_storeu_ps(y, bias ? _mm256_add_ps(acc, _mm256_loadu_ps(bias)) : _mm256_add_ps(acc, _mm256_setzero_ps()));
+        // without a bias + 0 all the same, as the AVX-512 store adds its zeros (a -0 sum comes out +0 on both)
+        _mm256_storeu_ps(y, _mm256_add_ps(acc, bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps()));
         return;
     }
-    const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(valid < 0 ? 0 : valid), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(valid), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     const __m256 bv = bias ? _mm256_maskload_ps(bias, m) : _mm256_setzero_ps();
     _mm256_maskstore_ps(y, m, _mm256_add_ps(acc, bv));
 }

@@ -33,18 +33,10 @@ import torch
 warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*", category=UserWarning)
 import torch.nn.functional as F
 
-
-def _weight_levels() -> float:
-    flags = set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = set(next((ln for ln in f if ln.startswith("flags")), "").split())
-    except OSError:
-        pass
-    return 127.0 if "avx512_vnni" in flags else 63.0
+from jllm.kernels import cpu_flags
 
 
-WEIGHT_LEVELS = _weight_levels()
+WEIGHT_LEVELS = 127.0 if "avx512_vnni" in cpu_flags() else 63.0
 
 
 def quantize_weight_int8(w: torch.Tensor, out: torch.Tensor | None = None,

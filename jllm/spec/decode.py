@@ -351,6 +351,8 @@ class DraftGate:
         """Times of one round: its verify pass over k rows past the first, and the draft's one-token step if it
         ran one."""
         self.rows.add(k, verify_s)
+        # the gate's own cost model keeps its fixed row_cost, not rows.value: replayed, the fitted cost made it
+        # drop marginal drafts and lost 0.013-0.017x (BENCHMARKS.md, "AVX2-only CPU")
         self.target_step = self._avg(self.target_step, verify_s / (1 + self.row_cost * k))
         if draft_step_s is not None:
             self.draft_step = self._avg(self.draft_step, draft_step_s)
