@@ -1,7 +1,8 @@
 """The kernels' two instruction sets (jllm/kernels/vecmath.h, qgemm.cpp): the AVX2 build computes the same
 integer sums and the same float operations lane by lane, with the same reduction trees, as the AVX-512 build.
 Where the CPU has AVX-512, a build of the AVX2 path (JLLM_ISA=avx2, in its own process and build directory:
-one module per process) must give bitwise this process's results for every kernel."""
+one module per process) must give bitwise this process's results for every kernel. On an AVX2 CPU, the build
+without the one-pass tiles (JLLM_TWO_PASS=1) must give this build's bits."""
 
 import os
 import subprocess
@@ -28,7 +29,7 @@ def outputs() -> dict[str, torch.Tensor]:
                  torch.randn(144, generator=g))
     x = torch.randn(11, 320, generator=g)
     x[:, 7] *= 30
-    for rows in (1, 2, 5, 11):
+    for rows in (1, 2, 3, 4, 5, 8, 11):             # one-pass groups on AVX2 (up to 4 rows), chunks of 8
         out[f"qmatmul{rows}"] = lin(x[:rows])
     for D in (64, 128, 24):
         H, Hk, L, start, T = 8, 2, 100, 60, 7
@@ -56,7 +57,7 @@ def test_build_isa_is_the_cpus():
     assert kernels.qgemm().isa == kernels.isa()
 
 
-_AVX2 = """
+_OTHER_BUILD = """
 import sys, torch
 sys.path.insert(0, {tests!r})
 from jllm import kernels
@@ -66,14 +67,26 @@ torch.save(outputs(), {out!r})
 """
 
 
-@pytest.mark.skipif(kernels.isa() != "avx512", reason="this CPU builds only the AVX2 path")
-def test_avx2_build_gives_the_avx512_bits(tmp_path):
-    out = tmp_path / "avx2.pt"
-    env = {**os.environ, "JLLM_ISA": "avx2", "JLLM_KERNELS_DIR": str(tmp_path / "kernels")}
-    code = _AVX2.format(tests=str(Path(__file__).parent), out=str(out))
+def same_bits_as_build(tmp_path, **env_vars):
+    """outputs() of a build made with these environment variables, in its own process and build directory,
+    must equal this process's."""
+    out = tmp_path / "other.pt"
+    env = {**os.environ, **env_vars, "JLLM_KERNELS_DIR": str(tmp_path / "kernels")}
+    code = _OTHER_BUILD.format(tests=str(Path(__file__).parent), out=str(out))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     theirs, ours = torch.load(out), outputs()
     assert theirs.keys() == ours.keys()
     for name in ours:
         assert torch.equal(theirs[name], ours[name]), name
+
+
+@pytest.mark.skipif(kernels.isa() != "avx512", reason="this CPU builds only the AVX2 path")
+def test_avx2_build_gives_the_avx512_bits(tmp_path):
+    same_bits_as_build(tmp_path, JLLM_ISA="avx2")
+
+
+@pytest.mark.skipif(kernels.isa() != "avx2", reason="the one-pass tiles are AVX2's")
+def test_one_pass_tiles_give_the_two_pass_bits(tmp_path):
+    assert "-DJLLM_BOTH_ROWS=0" not in kernels._flags()
+    same_bits_as_build(tmp_path, JLLM_TWO_PASS="1")

@@ -363,6 +363,86 @@ inline void tile_rows(const uint8_t* w, int64_t nb, int64_t per_super, const int
     _Pragma("GCC unroll 10") for (int r = 0; r < R; ++r) f_store(y + r * ldy + lane0, valid - lane0, bias ? bias + lane0 : nullptr, acc[r]);
 }
 
+#if !defined(__AVX512F__)
+// AVX2, 4-bit tiles, few rows: both halves of the tile in one pass. Each broadcast of four activation bytes
+// then serves the two halves' registers (8 broadcasts a row and block instead of 16), and so do dx and bsx.
+// Every lane goes through the same integer sums and float operations in the same order as in tile_rows, so the
+// results are bitwise the same. The sums of both halves take 2R registers: up to kBothRows rows.
+template <int J, int R>
+__attribute__((always_inline)) inline void nibbles_both(const uint8_t* p, const int32_t* const* xb, __m256i* s0,
+                                                        __m256i* s1) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i v0 = _mm256_loadu_si256((const __m256i*)(p + 64 * J));
+    const __m256i v1 = _mm256_loadu_si256((const __m256i*)(p + 64 * J + 32));
+    const __m256i lo0 = _mm256_and_si256(v0, low), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
+    const __m256i lo1 = _mm256_and_si256(v1, low), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
+    _Pragma("GCC unroll 10") for (int r = 0; r < R; ++r) {
+        const __m256i xa = _mm256_set1_epi32(xb[r][J]), xc = _mm256_set1_epi32(xb[r][J + 4]);
+        const __m256i t0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, xa), _mm256_maddubs_epi16(hi0, xc));
+        const __m256i t1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, xa), _mm256_maddubs_epi16(hi1, xc));
+        s0[r] = J ? _mm256_add_epi16(s0[r], t0) : t0;     // 8 pairs of <= 15 * 127 over the block: below 2^15
+        s1[r] = J ? _mm256_add_epi16(s1[r], t1) : t1;
+        __asm__("" : "+x"(s0[r]), "+x"(s1[r]));           // in order (nibbles() says why)
+    }
+}
+
+template <int R, int KIND>
+void tile_both(const uint8_t* w, int64_t nb, int64_t per_super, const int8_t* xq, const float* dx, const float* bsx,
+               int64_t K, float* y, int64_t ldy, int valid, const float* bias, int) {
+    constexpr bool units = KIND == kCompact;
+    constexpr int lines = 5;
+    const __m256i ones = _mm256_set1_epi16(1);
+    fv acc0[R], acc1[R];
+    _Pragma("GCC unroll 10") for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = f_zero();
+    const uint8_t* unit = w;    // compact: the super-block's D (16 x f16), then Dm
+    const uint8_t* p = w;
+    for (int64_t b = 0, in_super = 0; b < nb; ++b) {
+        if (units && in_super-- == 0) {
+            unit = p;
+            p += 64;
+            in_super = per_super - 1;
+        }
+        if constexpr (R >= 2)       // as tile_rows
+            for (int l = 0; l < lines; ++l) _mm_prefetch((const char*)p + kPrefetch + 64 * l, _MM_HINT_T0);
+        if constexpr (R >= kFarRows)
+            for (int l = 0; l < lines; ++l) _mm_prefetch((const char*)p + kPrefetchL2 + 64 * l, _MM_HINT_T1);
+        const int32_t* xb[R];
+        _Pragma("GCC unroll 10") for (int r = 0; r < R; ++r) xb[r] = (const int32_t*)(xq + r * K + b * 32);
+        __m256i s0[R], s1[R];
+        nibbles_both<0, R>(p, xb, s0, s1);
+        nibbles_both<1, R>(p, xb, s0, s1);
+        nibbles_both<2, R>(p, xb, s0, s1);
+        nibbles_both<3, R>(p, xb, s0, s1);
+        p += 256;
+        fv sc0, sc1, mn0, mn1;
+        if constexpr (units) {
+            sc0 = f_mul(f_load_h(unit), f_load_i8(p));
+            sc1 = f_mul(f_load_h(unit + 16), f_load_i8(p + 8));
+            mn0 = f_mul(f_load_h(unit + 32), f_load_i8(p + 16));
+            mn1 = f_mul(f_load_h(unit + 48), f_load_i8(p + 24));
+            p += 32;
+        } else {
+            sc0 = f_load_h(p);
+            sc1 = f_load_h(p + 16);
+            mn0 = f_load_h(p + 32);
+            mn1 = f_load_h(p + 48);
+            p += 64;
+        }
+        _Pragma("GCC unroll 10") for (int r = 0; r < R; ++r) {
+            const fv d = f_set1(dx[r * nb + b]), m = f_set1(bsx[r * nb + b]);
+            acc0[r] = f_fmadd(f_cvt(_mm256_madd_epi16(s0[r], ones)), f_mul(sc0, d), acc0[r]);
+            acc0[r] = f_fnmadd(mn0, m, acc0[r]);
+            acc1[r] = f_fmadd(f_cvt(_mm256_madd_epi16(s1[r], ones)), f_mul(sc1, d), acc1[r]);
+            acc1[r] = f_fnmadd(mn1, m, acc1[r]);
+        }
+    }
+    _Pragma("GCC unroll 10") for (int r = 0; r < R; ++r) {
+        f_store(y + r * ldy, valid, bias, acc0[r]);
+        f_store(y + r * ldy + kLanes, valid - kLanes, bias ? bias + kLanes : nullptr, acc1[r]);
+    }
+}
+#endif
+
 using TileFn = void (*)(const uint8_t*, int64_t, int64_t, const int8_t*, const float*, const float*, int64_t,
                         float*, int64_t, int, const float*, int);
 template <int KIND>
@@ -371,6 +451,26 @@ constexpr TileFn kByRows[kMaxRows + 1] = {nullptr, tile_rows<1, KIND>, tile_rows
                                         tile_rows<7, KIND>, tile_rows<8, KIND>, tile_rows<9, KIND>,
                                         tile_rows<10, KIND>};
 constexpr const TileFn* kTile[4] = {kByRows<kEight>, kByRows<kFour>, kByRows<kCompact>, kByRows<kSix>};
+#if !defined(__AVX512F__)
+// Rows a one-pass group takes: 4 is best. All target matrices, interleaved rounds (benchmarks/kernel_variants.py,
+// -DJLLM_BOTH_ROWS=N): 5 or 6 rows in one group were no faster than two passes, 8 slower (105 against 98 ms),
+// while groups of up to 4 took M = 5 / 6 / 8 from 78.4 / 91.1 / 112.3 to 72.2 / 80.3 / 102.1 ms.
+#ifndef JLLM_BOTH_ROWS
+#define JLLM_BOTH_ROWS 4
+#endif
+constexpr int kBothRows = JLLM_BOTH_ROWS;    // 0: tile_rows only
+static_assert(kBothRows >= 0 && kBothRows <= 4, "JLLM_BOTH_ROWS: 0 .. 4");
+template <int KIND>
+constexpr TileFn kBothByRows[5] = {nullptr, tile_both<1, KIND>, tile_both<2, KIND>, tile_both<3, KIND>,
+                                   tile_both<4, KIND>};
+// The one-pass tile for this kind and number of rows (<= kBothRows), or nullptr: tile_rows, a pass a half.
+inline TileFn both_tile(int kind, int rows, int valid) {
+    if (valid <= kLanes || kBothRows < 1) return nullptr;
+    return kind == kCompact ? kBothByRows<kCompact>[rows] : kind == kFour ? kBothByRows<kFour>[rows] : nullptr;
+}
+#else
+inline TileFn both_tile(int, int, int) { return nullptr; }
+#endif
 
 // Blocks per super-block of a compact tile: the largest divisor of the row's block count up to 8 (8 for
 // Q4_K rows, whose super-blocks are 256 inputs). qlinear.super_blocks is the same rule.
@@ -434,6 +534,20 @@ void qmatmul_raw(const float* x, int64_t M, int64_t K, const QView& w, float* y,
                 const int rows = (int)std::min<int64_t>(chunk, M - r0);
                 for (int64_t t = t0; t < t1; ++t) {
                     const int valid = (int)std::min<int64_t>(16, n - 16 * t);
+                    if (both_tile(kind[t], 1, valid)) {
+                        // AVX2, 4-bit tiles: the rows in near-equal groups of up to kBothRows, each group one
+                        // pass over both halves; the later groups read the tile's weights from cache.
+                        const int groups = (rows + kBothRows - 1) / kBothRows;
+                        for (int g = 0, q0 = 0; g < groups; ++g) {
+                            const int q = (rows - q0) / (groups - g);
+                            both_tile(kind[t], q, valid)(wp + off[t], nb, per_super, xqp + (r0 + q0) * K,
+                                                         dxp + (r0 + q0) * nb, bsp + (r0 + q0) * nb, K,
+                                                         y + (r0 + q0) * n + 16 * t, n, valid,
+                                                         bp ? bp + 16 * t : nullptr, 0);
+                            q0 += q;
+                        }
+                        continue;
+                    }
                     for (int half = 0; half * kLanes < valid; ++half)
                         kTile[kind[t]][rows](wp + off[t], nb, per_super, xqp + r0 * K, dxp + r0 * nb, bsp + r0 * nb,
                                              K, y + r0 * n + 16 * t, n, valid, bp ? bp + 16 * t : nullptr, half);
