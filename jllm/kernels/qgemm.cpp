@@ -231,8 +231,8 @@ __attribute__((always_inline)) inline void nibbles(const uint8_t* p, __m256i pla
         // The empty asm keeps each sum in a register, in this order: otherwise GCC regroups the integer adds
         // into one tree over all the block's products, which keeps them all live and spills most of them
         // (AVX2 has 16 registers): compact tiles, one thread, in L2, 5 / 9 rows 47.6 / 103.7 -> 36.6 / 61.0 ns
-        // a block. Each row then costs ~7 ns a block, the 16 vpmaddubsw that its 512 products take at the one
-        // a cycle this Zen 3 issues (2-2.5 GHz): the multiply pipe is the limit, as vpdpbusd is on AVX-512.
+        // a block. Each row then costs ~7 ns a block (~22 cycles at 3.16 GHz), though its 16 vpmaddubsw issue
+        // in 8: the other ops share the four FP pipes (tile_both says which, and how it spends fewer).
         if constexpr (SIX) {    // 2 pairs of <= 63 * 127 each: to 32 bits at once
             ia[r] = J ? _mm256_add_epi32(ia[r], _mm256_madd_epi16(t, ones)) : _mm256_madd_epi16(t, ones);
             __asm__("" : "+x"(ia[r]));
@@ -364,24 +364,41 @@ inline void tile_rows(const uint8_t* w, int64_t nb, int64_t per_super, const int
 }
 
 #if !defined(__AVX512F__)
-// AVX2, 4-bit tiles, few rows: both halves of the tile in one pass. Each broadcast of four activation bytes
-// then serves the two halves' registers (8 broadcasts a row and block instead of 16), and so do dx and bsx.
+// AVX2, 4- and 6-bit tiles, few rows: both halves of the tile in one pass. Each broadcast of four activation
+// bytes then serves the two halves' registers (8 broadcasts a row and block instead of 16), and so do dx and bsx.
 // Every lane goes through the same integer sums and float operations in the same order as in tile_rows, so the
 // results are bitwise the same. The sums of both halves take 2R registers: up to kBothRows rows.
-template <int J, int R>
+// Why it pays: on Zen 3 vpmaddubsw issues two a cycle (FP0, FP3), and a row's block of 512 products needs 16 of
+// them, 8 cycles; but every other vector op takes a slot of the same four FP pipes, and a broadcast from memory
+// one of FP1 / FP2 (llvm-mca -mcpu=znver3 agrees). Two passes spend ~60 such ops a row and block: 16 products,
+// 16 broadcasts, 14 adds, 14 for the scales. Sharing the broadcasts drops 10 of them. All target matrices, 16
+// interleaved rounds: M = 1 / 2 / 3 / 4 from 45.20 / 52.06 / 59.89 / 67.14 to 42.60 / 41.62 / 51.14 / 62.29 ms.
+template <int J, int R, bool SIX>
 __attribute__((always_inline)) inline void nibbles_both(const uint8_t* p, const int32_t* const* xb, __m256i* s0,
                                                         __m256i* s1) {
-    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), top = _mm256_set1_epi8(0x30);
     const __m256i v0 = _mm256_loadu_si256((const __m256i*)(p + 64 * J));
     const __m256i v1 = _mm256_loadu_si256((const __m256i*)(p + 64 * J + 32));
-    const __m256i lo0 = _mm256_and_si256(v0, low), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
-    const __m256i lo1 = _mm256_and_si256(v1, low), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
+    __m256i lo0 = _mm256_and_si256(v0, low), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
+    __m256i lo1 = _mm256_and_si256(v1, low), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
+    if constexpr (SIX) {        // the planes of high bits, read again for each register (loads are cheap here)
+        const auto plane = [&](int at) { return _mm256_and_si256(high_bits<J>(_mm256_loadu_si256((const __m256i*)(p + at))), top); };
+        lo0 = _mm256_or_si256(lo0, plane(256));
+        hi0 = _mm256_or_si256(hi0, plane(320));
+        lo1 = _mm256_or_si256(lo1, plane(288));
+        hi1 = _mm256_or_si256(hi1, plane(352));
+    }
     _Pragma("GCC unroll 10") for (int r = 0; r < R; ++r) {
         const __m256i xa = _mm256_set1_epi32(xb[r][J]), xc = _mm256_set1_epi32(xb[r][J + 4]);
         const __m256i t0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, xa), _mm256_maddubs_epi16(hi0, xc));
         const __m256i t1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, xa), _mm256_maddubs_epi16(hi1, xc));
-        s0[r] = J ? _mm256_add_epi16(s0[r], t0) : t0;     // 8 pairs of <= 15 * 127 over the block: below 2^15
-        s1[r] = J ? _mm256_add_epi16(s1[r], t1) : t1;
+        if constexpr (SIX) {    // 2 pairs of <= 63 * 127 each: to 32 bits at once
+            s0[r] = J ? _mm256_add_epi32(s0[r], _mm256_madd_epi16(t0, ones)) : _mm256_madd_epi16(t0, ones);
+            s1[r] = J ? _mm256_add_epi32(s1[r], _mm256_madd_epi16(t1, ones)) : _mm256_madd_epi16(t1, ones);
+        } else {                // 8 pairs of <= 15 * 127 over the block: below 2^15
+            s0[r] = J ? _mm256_add_epi16(s0[r], t0) : t0;
+            s1[r] = J ? _mm256_add_epi16(s1[r], t1) : t1;
+        }
         __asm__("" : "+x"(s0[r]), "+x"(s1[r]));           // in order (nibbles() says why)
     }
 }
@@ -389,12 +406,12 @@ __attribute__((always_inline)) inline void nibbles_both(const uint8_t* p, const 
 template <int R, int KIND>
 void tile_both(const uint8_t* w, int64_t nb, int64_t per_super, const int8_t* xq, const float* dx, const float* bsx,
                int64_t K, float* y, int64_t ldy, int valid, const float* bias, int) {
-    constexpr bool units = KIND == kCompact;
-    constexpr int lines = 5;
+    constexpr bool six = KIND == kSix, units = KIND == kCompact || six;
+    constexpr int lines = six ? 7 : 5;
     const __m256i ones = _mm256_set1_epi16(1);
     fv acc0[R], acc1[R];
     _Pragma("GCC unroll 10") for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = f_zero();
-    const uint8_t* unit = w;    // compact: the super-block's D (16 x f16), then Dm
+    const uint8_t* unit = w;    // compact and 6-bit: the super-block's D (16 x f16), then Dm
     const uint8_t* p = w;
     for (int64_t b = 0, in_super = 0; b < nb; ++b) {
         if (units && in_super-- == 0) {
@@ -402,18 +419,25 @@ void tile_both(const uint8_t* w, int64_t nb, int64_t per_super, const int8_t* xq
             p += 64;
             in_super = per_super - 1;
         }
-        if constexpr (R >= 2)       // as tile_rows
-            for (int l = 0; l < lines; ++l) _mm_prefetch((const char*)p + kPrefetch + 64 * l, _MM_HINT_T0);
+        // Into L1 also for one row, unlike tile_rows on AVX-512: all target matrices, M = 1, 20 interleaved
+        // rounds, 40.29 -> 37.19 ms in a fast memory phase and 43.58 -> 40.40 in a slow one. The far prefetch
+        // from one or two rows was no better (M = 1 35.68 / 33.08 against 32.46 ms).
+        for (int l = 0; l < lines; ++l) _mm_prefetch((const char*)p + kPrefetch + 64 * l, _MM_HINT_T0);
         if constexpr (R >= kFarRows)
             for (int l = 0; l < lines; ++l) _mm_prefetch((const char*)p + kPrefetchL2 + 64 * l, _MM_HINT_T1);
         const int32_t* xb[R];
         _Pragma("GCC unroll 10") for (int r = 0; r < R; ++r) xb[r] = (const int32_t*)(xq + r * K + b * 32);
         __m256i s0[R], s1[R];
-        nibbles_both<0, R>(p, xb, s0, s1);
-        nibbles_both<1, R>(p, xb, s0, s1);
-        nibbles_both<2, R>(p, xb, s0, s1);
-        nibbles_both<3, R>(p, xb, s0, s1);
-        p += 256;
+        nibbles_both<0, R, six>(p, xb, s0, s1);
+        nibbles_both<1, R, six>(p, xb, s0, s1);
+        nibbles_both<2, R, six>(p, xb, s0, s1);
+        nibbles_both<3, R, six>(p, xb, s0, s1);
+        if constexpr (!six)
+            _Pragma("GCC unroll 10") for (int r = 0; r < R; ++r) {
+                s0[r] = _mm256_madd_epi16(s0[r], ones);
+                s1[r] = _mm256_madd_epi16(s1[r], ones);
+            }
+        p += six ? 384 : 256;
         fv sc0, sc1, mn0, mn1;
         if constexpr (units) {
             sc0 = f_mul(f_load_h(unit), f_load_i8(p));
@@ -430,9 +454,9 @@ void tile_both(const uint8_t* w, int64_t nb, int64_t per_super, const int8_t* xq
         }
         _Pragma("GCC unroll 10") for (int r = 0; r < R; ++r) {
             const fv d = f_set1(dx[r * nb + b]), m = f_set1(bsx[r * nb + b]);
-            acc0[r] = f_fmadd(f_cvt(_mm256_madd_epi16(s0[r], ones)), f_mul(sc0, d), acc0[r]);
+            acc0[r] = f_fmadd(f_cvt(s0[r]), f_mul(sc0, d), acc0[r]);
             acc0[r] = f_fnmadd(mn0, m, acc0[r]);
-            acc1[r] = f_fmadd(f_cvt(_mm256_madd_epi16(s1[r], ones)), f_mul(sc1, d), acc1[r]);
+            acc1[r] = f_fmadd(f_cvt(s1[r]), f_mul(sc1, d), acc1[r]);
             acc1[r] = f_fnmadd(mn1, m, acc1[r]);
         }
     }
@@ -459,6 +483,13 @@ constexpr const TileFn* kTile[4] = {kByRows<kEight>, kByRows<kFour>, kByRows<kCo
 #define JLLM_BOTH_ROWS 4
 #endif
 constexpr int kBothRows = JLLM_BOTH_ROWS;    // 0: tile_rows only
+// 6-bit tiles (-DJLLM_BOTH_SIX=0 / 1 / 2: never / up to kBothRows rows / also in groups): all target matrices,
+// M = 1 / 3 / 5 / 8, 12 interleaved rounds, 40.14 / 42.04 / 61.13 / 84.32 ms with none, 38.28 / 35.22 / 59.10 /
+// 84.42 up to 4 rows, 38.21 / 37.04 / 58.21 / 88.46 in groups as well.
+#ifndef JLLM_BOTH_SIX
+#define JLLM_BOTH_SIX 1
+#endif
+constexpr int kBothSix = JLLM_BOTH_SIX;
 static_assert(kBothRows >= 0 && kBothRows <= 4, "JLLM_BOTH_ROWS: 0 .. 4");
 template <int KIND>
 constexpr TileFn kBothByRows[5] = {nullptr, tile_both<1, KIND>, tile_both<2, KIND>, tile_both<3, KIND>,
@@ -466,7 +497,8 @@ constexpr TileFn kBothByRows[5] = {nullptr, tile_both<1, KIND>, tile_both<2, KIN
 // The one-pass tile for this kind and number of rows (<= kBothRows), or nullptr: tile_rows, a pass a half.
 inline TileFn both_tile(int kind, int rows, int valid) {
     if (valid <= kLanes || kBothRows < 1) return nullptr;
-    return kind == kCompact ? kBothByRows<kCompact>[rows] : kind == kFour ? kBothByRows<kFour>[rows] : nullptr;
+    return kind == kCompact ? kBothByRows<kCompact>[rows] : kind == kFour ? kBothByRows<kFour>[rows]
+         : kind == kSix && kBothSix ? kBothByRows<kSix>[rows] : nullptr;
 }
 #else
 inline TileFn both_tile(int, int, int) { return nullptr; }
@@ -534,7 +566,7 @@ void qmatmul_raw(const float* x, int64_t M, int64_t K, const QView& w, float* y,
                 const int rows = (int)std::min<int64_t>(chunk, M - r0);
                 for (int64_t t = t0; t < t1; ++t) {
                     const int valid = (int)std::min<int64_t>(16, n - 16 * t);
-                    if (both_tile(kind[t], 1, valid)) {
+                    if (both_tile(kind[t], 1, valid) && (rows <= kBothRows || kind[t] != kSix || kBothSix > 1)) {
                         // AVX2, 4-bit tiles: the rows in near-equal groups of up to kBothRows, each group one
                         // pass over both halves; the later groups read the tile's weights from cache.
                         const int groups = (rows + kBothRows - 1) / kBothRows;
