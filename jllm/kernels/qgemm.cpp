@@ -475,7 +475,7 @@ constexpr TileFn kByRows[kMaxRows + 1] = {nullptr, tile_rows<1, KIND>, tile_rows
                                         tile_rows<7, KIND>, tile_rows<8, KIND>, tile_rows<9, KIND>,
                                         tile_rows<10, KIND>};
 constexpr const TileFn* kTile[4] = {kByRows<kEight>, kByRows<kFour>, kByRows<kCompact>, kByRows<kSix>};
-#if !defined(__AVX512F__)
+// AVX2's one-pass tiles (tile_both); the AVX-512 build has none.
 // Rows a one-pass group takes: 4 is best. All target matrices, interleaved rounds (benchmarks/kernel_variants.py,
 // -DJLLM_BOTH_ROWS=N): 5 or 6 rows in one group were no faster than two passes, 8 slower (105 against 98 ms),
 // while groups of up to 4 took M = 5 / 6 / 8 from 78.4 / 91.1 / 112.3 to 72.2 / 80.3 / 102.1 ms.
@@ -491,6 +491,7 @@ constexpr int kBothRows = JLLM_BOTH_ROWS;    // 0: tile_rows only
 #endif
 constexpr int kBothSix = JLLM_BOTH_SIX;
 static_assert(kBothRows >= 0 && kBothRows <= 4, "JLLM_BOTH_ROWS: 0 .. 4");
+#if !defined(__AVX512F__)
 template <int KIND>
 constexpr TileFn kBothByRows[5] = {nullptr, tile_both<1, KIND>, tile_both<2, KIND>, tile_both<3, KIND>,
                                    tile_both<4, KIND>};
@@ -569,7 +570,7 @@ void qmatmul_raw(const float* x, int64_t M, int64_t K, const QView& w, float* y,
                     if (both_tile(kind[t], 1, valid) && (rows <= kBothRows || kind[t] != kSix || kBothSix > 1)) {
                         // AVX2, 4-bit tiles: the rows in near-equal groups of up to kBothRows, each group one
                         // pass over both halves; the later groups read the tile's weights from cache.
-                        const int groups = (rows + kBothRows - 1) / kBothRows;
+                        const int groups = (rows + kBothRows - 1) / std::max(kBothRows, 1);
                         for (int g = 0, q0 = 0; g < groups; ++g) {
                             const int q = (rows - q0) / (groups - g);
                             both_tile(kind[t], q, valid)(wp + off[t], nb, per_super, xqp + (r0 + q0) * K,
