@@ -504,6 +504,18 @@ inline TileFn both_tile(int kind, int rows, int valid) {
 #else
 inline TileFn both_tile(int, int, int) { return nullptr; }
 #endif
+// Groups (-DJLLM_GROUPS=0 / 1 / 2: none, more rows then a pass a half / near-equal / as full as possible): all
+// target matrices, 14 interleaved rounds, M = 4 / 5 / 6 / 9 took 48.97 / 73.74 / 78.06 / 108.63 ms without,
+// 45.74 / 60.82 / 73.14 / 101.89 in near-equal groups, 45.35 / 66.47 / 71.43 / 100.84 in full ones.
+#ifndef JLLM_GROUPS
+#define JLLM_GROUPS 1
+#endif
+constexpr int kGroups = JLLM_GROUPS;
+// Whether a tile's rows go through tile_both (in groups where there are more than kBothRows).
+inline bool one_pass_groups(int kind, int rows, int valid) {
+    if (!both_tile(kind, 1, valid)) return false;
+    return rows <= kBothRows || (kGroups && (kind != kSix || kBothSix > 1));
+}
 
 // Blocks per super-block of a compact tile: the largest divisor of the row's block count up to 8 (8 for
 // Q4_K rows, whose super-blocks are 256 inputs). qlinear.super_blocks is the same rule.
@@ -567,18 +579,12 @@ void qmatmul_raw(const float* x, int64_t M, int64_t K, const QView& w, float* y,
                 const int rows = (int)std::min<int64_t>(chunk, M - r0);
                 for (int64_t t = t0; t < t1; ++t) {
                     const int valid = (int)std::min<int64_t>(16, n - 16 * t);
-// Groups (-DJLLM_GROUPS=0 / 1 / 2: none, the 6-bit tiles' rows then a pass a half / near-equal / as full as
-// possible): all target matrices, 14 interleaved rounds, M = 4 / 5 / 6 / 9 took 48.97 / 73.74 / 78.06 / 108.63
-// ms without, 45.74 / 60.82 / 73.14 / 101.89 in near-equal groups, 45.35 / 66.47 / 71.43 / 100.84 in full ones.
-#ifndef JLLM_GROUPS
-#define JLLM_GROUPS 1
-#endif
-                    if (both_tile(kind[t], 1, valid) && (rows <= kBothRows || (JLLM_GROUPS && (kind[t] != kSix || kBothSix > 1)))) {
-                        // AVX2, 4-bit tiles: the rows in near-equal groups of up to kBothRows, each group one
-                        // pass over both halves; the later groups read the tile's weights from cache.
+                    if (one_pass_groups(kind[t], rows, valid)) {
+                        // the rows in near-equal groups of up to kBothRows, each group one pass over both halves;
+                        // the later groups read the tile's weights from cache
                         const int groups = (rows + kBothRows - 1) / std::max(kBothRows, 1);
                         for (int g = 0, q0 = 0; g < groups; ++g) {
-                            const int q = JLLM_GROUPS == 2 ? std::min(kBothRows, rows - q0) : (rows - q0) / (groups - g);
+                            const int q = kGroups == 2 ? std::min(kBothRows, rows - q0) : (rows - q0) / (groups - g);
                             both_tile(kind[t], q, valid)(wp + off[t], nb, per_super, xqp + (r0 + q0) * K,
                                                          dxp + (r0 + q0) * nb, bsp + (r0 + q0) * nb, K,
                                                          y + (r0 + q0) * n + 16 * t, n, valid,
