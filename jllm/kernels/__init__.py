@@ -64,7 +64,7 @@ def _flags() -> list[str]:
     """Compiler flags for this CPU. With AVX-512 and GFNI (Ice Lake, Zen 4 and later; not Cascade Lake) the
     4-bit unpacking of one activation row takes one instruction fewer per register (qgemm.cpp). JLLM_NO_GFNI=1
     builds the other path (the tests check that both give the same bits). JLLM_TWO_PASS=1 makes the AVX2 build
-    compute every tile a half at a time, without its one-pass path for 4-bit tiles (the same bits, slower)."""
+    compute every tile a half at a time, without its one-pass path for 4- and 6-bit tiles (the same bits, slower)."""
     target = isa() or "avx2"
     gfni = target == "avx512" and "gfni" in cpu_flags() and not os.environ.get("JLLM_NO_GFNI")
     two_pass = target == "avx2" and os.environ.get("JLLM_TWO_PASS")

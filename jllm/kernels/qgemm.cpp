@@ -214,33 +214,56 @@ inline __m256i high_bits(__m256i plane) {     // as the AVX-512 high_bits
     else return _mm256_srli_epi16(plane, 2);
 }
 
-// Register J of a block (this pass's half): low nibbles are inputs 4J .. 4J+3, high ones 4(J+4) .. .
-template <int J, int R, bool SIX>
-__attribute__((always_inline)) inline void nibbles(const uint8_t* p, __m256i plane0, __m256i plane1,
-                                                   const int32_t* const* xb, __m256i* ia, __m256i* s16) {
+// Register J of a block for H halves of the tile (p at the first half's bytes; the second, if any, 32 bytes
+// on): low nibbles are inputs 4J .. 4J+3, high ones 4(J+4) .. . s[h * R + r]: half h's sums for row r, in 16 bits
+// for 4-bit tiles, 32 for 6-bit ones. With H = 2 each broadcast of activation bytes serves both halves.
+template <int J, int R, bool SIX, int H>
+__attribute__((always_inline)) inline void nibbles(const uint8_t* p, const int32_t* const* xb, __m256i* s) {
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), top = _mm256_set1_epi8(0x30);
-    const __m256i v = _mm256_loadu_si256((const __m256i*)(p + 64 * J));
-    __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-    if constexpr (SIX) {
-        lo = _mm256_or_si256(lo, _mm256_and_si256(high_bits<J>(plane0), top));
-        hi = _mm256_or_si256(hi, _mm256_and_si256(high_bits<J>(plane1), top));
+    __m256i lo[H], hi[H];
+    _Pragma("GCC unroll 2") for (int h = 0; h < H; ++h) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(p + 64 * J + 32 * h));
+        lo[h] = _mm256_and_si256(v, low);
+        hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        if constexpr (SIX) {    // the planes of high bits, read again for each register (loads are cheap here)
+            const auto plane = [&](int at) {
+                return _mm256_and_si256(high_bits<J>(_mm256_loadu_si256((const __m256i*)(p + at + 32 * h))), top);
+            };
+            lo[h] = _mm256_or_si256(lo[h], plane(256));
+            hi[h] = _mm256_or_si256(hi[h], plane(320));
+        }
     }
     _Pragma("GCC unroll 10") for (int r = 0; r < R; ++r) {
-        const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xb[r][J])),
-                                           _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xb[r][J + 4])));
+        const __m256i xa = _mm256_set1_epi32(xb[r][J]), xc = _mm256_set1_epi32(xb[r][J + 4]);
+        _Pragma("GCC unroll 2") for (int h = 0; h < H; ++h) {
+            __m256i& sum = s[h * R + r];
+            const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], xa), _mm256_maddubs_epi16(hi[h], xc));
+            if constexpr (SIX)  // 2 pairs of <= 63 * 127 each: to 32 bits at once
+                sum = J ? _mm256_add_epi32(sum, _mm256_madd_epi16(t, ones)) : _mm256_madd_epi16(t, ones);
+            else                // 8 pairs of <= 15 * 127 over the block: below 2^15
+                sum = J ? _mm256_add_epi16(sum, t) : t;
+        }
         // The empty asm keeps each sum in a register, in this order: otherwise GCC regroups the integer adds
         // into one tree over all the block's products, which keeps them all live and spills most of them
         // (AVX2 has 16 registers): compact tiles, one thread, in L2, 5 / 9 rows 47.6 / 103.7 -> 36.6 / 61.0 ns
         // a block. Each row then costs ~7 ns a block (~22 cycles at 3.16 GHz), though its 16 vpmaddubsw issue
         // in 8: the other ops share the four FP pipes (tile_both says which, and how it spends fewer).
-        if constexpr (SIX) {    // 2 pairs of <= 63 * 127 each: to 32 bits at once
-            ia[r] = J ? _mm256_add_epi32(ia[r], _mm256_madd_epi16(t, ones)) : _mm256_madd_epi16(t, ones);
-            __asm__("" : "+x"(ia[r]));
-        } else {                // 8 pairs of <= 15 * 127 over the block: below 2^15
-            s16[r] = J ? _mm256_add_epi16(s16[r], t) : t;
-            __asm__("" : "+x"(s16[r]));
-        }
+        if constexpr (H == 1)
+            __asm__("" : "+x"(s[r]));
+        else
+            __asm__("" : "+x"(s[r]), "+x"(s[R + r]));
     }
+}
+
+// The sums of a block's four registers for H halves; 4-bit ones widened to 32 bits.
+template <int R, bool SIX, int H>
+__attribute__((always_inline)) inline void nibble_sums(const uint8_t* p, const int32_t* const* xb, __m256i* s) {
+    nibbles<0, R, SIX, H>(p, xb, s);
+    nibbles<1, R, SIX, H>(p, xb, s);
+    nibbles<2, R, SIX, H>(p, xb, s);
+    nibbles<3, R, SIX, H>(p, xb, s);
+    if constexpr (!SIX)
+        _Pragma("GCC unroll 20") for (int i = 0; i < H * R; ++i) s[i] = _mm256_madd_epi16(s[i], _mm256_set1_epi16(1));
 }
 
 // p points at the block's first register plus this pass's half (32 bytes in).
@@ -265,19 +288,7 @@ inline void block_sums(const uint8_t* p, const int32_t* const* xb, iv* ia) {
         _Pragma("GCC unroll 10") for (int r = 0; r < R; ++r)
             ia[r] = _mm256_add_epi32(_mm256_madd_epi16(lo16[r], ones), _mm256_madd_epi16(hi16[r], sixteen));
     } else {
-        constexpr bool six = KIND == kSix;
-        __m256i plane0 = _mm256_setzero_si256(), plane1 = _mm256_setzero_si256();
-        if constexpr (six) {
-            plane0 = _mm256_loadu_si256((const __m256i*)(p + 256));
-            plane1 = _mm256_loadu_si256((const __m256i*)(p + 320));
-        }
-        __m256i s16[R];
-        nibbles<0, R, six>(p, plane0, plane1, xb, ia, s16);
-        nibbles<1, R, six>(p, plane0, plane1, xb, ia, s16);
-        nibbles<2, R, six>(p, plane0, plane1, xb, ia, s16);
-        nibbles<3, R, six>(p, plane0, plane1, xb, ia, s16);
-        if constexpr (!six)
-            _Pragma("GCC unroll 10") for (int r = 0; r < R; ++r) ia[r] = _mm256_madd_epi16(s16[r], ones);
+        nibble_sums<R, KIND == kSix, 1>(p, xb, ia);
     }
 }
 
@@ -373,42 +384,11 @@ inline void tile_rows(const uint8_t* w, int64_t nb, int64_t per_super, const int
 // one of FP1 / FP2 (llvm-mca -mcpu=znver3 agrees). Two passes spend ~60 such ops a row and block: 16 products,
 // 16 broadcasts, 14 adds, 14 for the scales. Sharing the broadcasts drops 10 of them. All target matrices, 16
 // interleaved rounds: M = 1 / 2 / 3 / 4 from 45.20 / 52.06 / 59.89 / 67.14 to 42.60 / 41.62 / 51.14 / 62.29 ms.
-template <int J, int R, bool SIX>
-__attribute__((always_inline)) inline void nibbles_both(const uint8_t* p, const int32_t* const* xb, __m256i* s0,
-                                                        __m256i* s1) {
-    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), top = _mm256_set1_epi8(0x30);
-    const __m256i v0 = _mm256_loadu_si256((const __m256i*)(p + 64 * J));
-    const __m256i v1 = _mm256_loadu_si256((const __m256i*)(p + 64 * J + 32));
-    __m256i lo0 = _mm256_and_si256(v0, low), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
-    __m256i lo1 = _mm256_and_si256(v1, low), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
-    if constexpr (SIX) {        // the planes of high bits, read again for each register (loads are cheap here)
-        const auto plane = [&](int at) { return _mm256_and_si256(high_bits<J>(_mm256_loadu_si256((const __m256i*)(p + at))), top); };
-        lo0 = _mm256_or_si256(lo0, plane(256));
-        hi0 = _mm256_or_si256(hi0, plane(320));
-        lo1 = _mm256_or_si256(lo1, plane(288));
-        hi1 = _mm256_or_si256(hi1, plane(352));
-    }
-    _Pragma("GCC unroll 10") for (int r = 0; r < R; ++r) {
-        const __m256i xa = _mm256_set1_epi32(xb[r][J]), xc = _mm256_set1_epi32(xb[r][J + 4]);
-        const __m256i t0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, xa), _mm256_maddubs_epi16(hi0, xc));
-        const __m256i t1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, xa), _mm256_maddubs_epi16(hi1, xc));
-        if constexpr (SIX) {    // 2 pairs of <= 63 * 127 each: to 32 bits at once
-            s0[r] = J ? _mm256_add_epi32(s0[r], _mm256_madd_epi16(t0, ones)) : _mm256_madd_epi16(t0, ones);
-            s1[r] = J ? _mm256_add_epi32(s1[r], _mm256_madd_epi16(t1, ones)) : _mm256_madd_epi16(t1, ones);
-        } else {                // 8 pairs of <= 15 * 127 over the block: below 2^15
-            s0[r] = J ? _mm256_add_epi16(s0[r], t0) : t0;
-            s1[r] = J ? _mm256_add_epi16(s1[r], t1) : t1;
-        }
-        __asm__("" : "+x"(s0[r]), "+x"(s1[r]));           // in order (nibbles() says why)
-    }
-}
-
 template <int R, int KIND>
 void tile_both(const uint8_t* w, int64_t nb, int64_t per_super, const int8_t* xq, const float* dx, const float* bsx,
                int64_t K, float* y, int64_t ldy, int valid, const float* bias, int) {
     constexpr bool six = KIND == kSix, units = KIND == kCompact || six;
     constexpr int lines = six ? 7 : 5;
-    const __m256i ones = _mm256_set1_epi16(1);
     fv acc0[R], acc1[R];
     _Pragma("GCC unroll 10") for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = f_zero();
     const uint8_t* unit = w;    // compact and 6-bit: the super-block's D (16 x f16), then Dm
@@ -427,16 +407,10 @@ void tile_both(const uint8_t* w, int64_t nb, int64_t per_super, const int8_t* xq
             for (int l = 0; l < lines; ++l) _mm_prefetch((const char*)p + kPrefetchL2 + 64 * l, _MM_HINT_T1);
         const int32_t* xb[R];
         _Pragma("GCC unroll 10") for (int r = 0; r < R; ++r) xb[r] = (const int32_t*)(xq + r * K + b * 32);
-        __m256i s0[R], s1[R];
-        nibbles_both<0, R, six>(p, xb, s0, s1);
-        nibbles_both<1, R, six>(p, xb, s0, s1);
-        nibbles_both<2, R, six>(p, xb, s0, s1);
-        nibbles_both<3, R, six>(p, xb, s0, s1);
-        if constexpr (!six)
-            _Pragma("GCC unroll 10") for (int r = 0; r < R; ++r) {
-                s0[r] = _mm256_madd_epi16(s0[r], ones);
-                s1[r] = _mm256_madd_epi16(s1[r], ones);
-            }
+        __m256i s[2 * R];           // half 0's sums, then half 1's
+        nibble_sums<R, six, 2>(p, xb, s);
+        const __m256i* s0 = s;
+        const __m256i* s1 = s + R;
         p += six ? 384 : 256;
         fv sc0, sc1, mn0, mn1;
         if constexpr (units) {
