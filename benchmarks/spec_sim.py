@@ -135,6 +135,12 @@ def replay(row: dict, policy: dict, d: float, V, gate=None) -> tuple[float, int,
                 chain *= p
                 if j + 1 == k or (rule == "before" and chain < policy["p_min"]):
                     break
+                if "rate" in policy:
+                    rate = policy["rate"]
+                    if rate == "gate":
+                        rate = max(1.0, (gate.value() if gate is not None else None) or 1.0)
+                    if chain < rate * (d + V(j + 2) - V(j + 1)):
+                        break
                 steps += 1
             cost += d * steps
         n = 0
@@ -180,6 +186,10 @@ def sim(a) -> None:
         for leaf_p in (0.5, 0.7, 0.9):        # jllm's policy with side leaves (gate in the loop)
             _line(f"d={d:.2f} jllm gate   leaf_p={leaf_p}", rows, cats,
                   {"kmax": 8, "p_min": 0.7, "grow": 2, "leaf_p": leaf_p}, d, V, True)
+        for rate in (1.0, 1.3, "gate"):
+            for pmin in (0.5, 0.7):
+                _line(f"d={d:.2f} cost rate={rate} p_min={pmin}", rows, cats,
+                      {"kmax": 8, "p_min": pmin, "grow": 2, "rate": rate}, d, V, True)
         for wrong in (False, True):           # jllm's policy with its gate in the loop, and without
             for gated in (False, True):
                 _line(f"d={d:.2f} jllm {'gate  ' if gated else 'always'} {'WRONG draft' if wrong else ''}", rows,

@@ -228,6 +228,29 @@ def test_draft_gate_runs_side_leaves_only_where_rows_are_cheap():
     assert gate_on(0.005, 0.75).leaf_pays()                # unless leaves are taken far more often
 
 
+def test_draft_gate_stops_the_draft_where_one_more_row_costs_too_much():
+    from jllm.spec.decode import DraftGate
+
+    def gate_with(verify_steps):
+        """A gate that saw verify passes over k = 0..5 drafts take verify_steps[k] steps of 30 ms, and draft
+        rounds of 3 forwards (7.5 ms each: d = 0.25) bring 2.6 tokens."""
+        gate = DraftGate()
+        for i in range(120):
+            k = i % 6
+            gate.observe(0.030 * verify_steps[k], k, 0.0075)
+            gate.record(2.6, 3, 3)
+        return gate
+
+    avx2 = gate_with([1.0, 1.05, 1.12, 1.3, 1.9, 2.3])      # a 5th row starts a second pass over the tiles
+    assert 0.45 < avx2.verify[4] - avx2.verify[3] < 0.65    # in the gate's unit of a step (its target_step)
+    assert avx2.extend_pays(2, 0.6) and avx2.extend_pays(4, 0.2) is False
+    assert avx2.extend_pays(4, 0.95) is False                # even a sure token is not worth 0.85 of a step
+    assert avx2.extend_pays(3, 0.8) and not avx2.extend_pays(3, 0.4)
+    cheap = gate_with([1.0, 1.02, 1.04, 1.06, 1.08, 1.1])    # AVX-512 while memory is slow: rows nearly free
+    assert cheap.extend_pays(4, 0.5) and cheap.extend_pays(5, 0.5)
+    assert DraftGate().extend_pays(8, 0.01)                  # nothing measured yet: p_min alone decides
+
+
 def test_engine_keeps_one_gate_across_turns(paths):
     eng = engine(paths["target"], paths["other"], mode="draft", p_min=0.0, precision="native")
     eng.generate(PROMPT, SamplingParams(max_tokens=8))
@@ -299,7 +322,7 @@ def test_side_leaves_keep_the_output_and_are_taken(paths, monkeypatch):
     vocab = spec.model.cfg.vocab_size
     target_text = ref.token_ids
 
-    def propose(self, context, k, p_min, params, gen, k_min=1, leaf_p=0.0):
+    def propose(self, context, k, p_min, params, gen, k_min=1, leaf_p=0.0, extend=None):
         at = len(context) - n_prompt                   # index of the next token in the output
         want = target_text[at:at + 3]
         self.forwards, self.step_s = 1, 1e-3

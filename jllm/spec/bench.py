@@ -98,8 +98,8 @@ def make_draft_wrong(eng) -> None:
     propose = runner.propose
     vocab = runner.model.cfg.vocab_size
 
-    def wrong(context, k, p_min, params, gen, k_min=1, leaf_p=0.0):
-        drafts, q = propose(context, k, p_min, params, gen, k_min)
+    def wrong(context, k, p_min, params, gen, k_min=1, leaf_p=0.0, extend=None):
+        drafts, q = propose(context, k, p_min, params, gen, k_min, extend=extend)
         runner.leaf = None                             # no second choice: it could be right
         shifted = [(t + 1) % vocab for t in drafts]
         if q is not None:                              # keep q consistent with what is proposed

@@ -45,6 +45,8 @@ class SpecConfig:
     leaf_p: float = LEAF_P      # greedy: also verify the draft's second choice at its least confident drafted
                                 # position when the draft gave its own token less than this (0: never)
     leaf_gate: bool = True      # ... and only while the measured cost of a row says leaves pay (False: always)
+    cost_stop: bool = True      # the draft also stops where one more token would cost more than it is likely
+                                # to bring, by the verify passes' measured costs (DraftGate.extend_pays)
 
 
 def draft_precision_for(target_precision: str, choice: str = "auto") -> str:
@@ -109,8 +111,11 @@ class DraftRunner:
         return fill_cache(self.model, self.cache, self.ids, context, keep)
 
     def propose(self, context: list[int], k: int, p_min: float, params: SamplingParams,
-                gen: torch.Generator | None, k_min: int = 1, leaf_p: float = 0.0) -> tuple[list[int], torch.Tensor | None]:
+                gen: torch.Generator | None, k_min: int = 1, leaf_p: float = 0.0,
+                extend=None) -> tuple[list[int], torch.Tensor | None]:
         """Up to k tokens (at least k_min); with sampling also their distributions q [n, V].
+        extend(n, chain): whether drafting an n-th token is worth its cost when the chain so far holds with
+        probability chain (DraftGate.extend_pays); None: always, within p_min.
         Greedy, leaf_p > 0: afterwards `leaf` is (i, t) when the draft's least confident token, drafts[i], had
         probability < leaf_p, t being its second choice there (else None).
 
@@ -143,7 +148,7 @@ class DraftRunner:
             if params.greedy and p < weakest[0]:
                 weakest = (p, i, logits)
             chain *= p
-            if i + 1 == k or (i + 1 >= k_min and chain < threshold):
+            if i + 1 == k or (i + 1 >= k_min and (chain < threshold or (extend and not extend(i + 2, chain)))):
                 break
             t = time.perf_counter()
             logits = self.model.forward(torch.tensor([tok], device=self.device), self.cache)[-1]
@@ -189,8 +194,9 @@ class SpeculativeDecoder:
             if self.use_draft and self.gate.choose() == "draft":
                 greedy = params.greedy and params.repeat_penalty == 1.0
                 leaf_p = self.leaf_p if greedy and (not self.cfg.leaf_gate or self.gate.leaf_pays()) else 0.0
+                extend = self.gate.extend_pays if self.cfg.cost_stop else None
                 d, q = self.draft.propose(context, min(self.k["draft"], room), self.cfg.p_min, params, gen,
-                                          k_min=self.cfg.draft_min, leaf_p=leaf_p)
+                                          k_min=self.cfg.draft_min, leaf_p=leaf_p, extend=extend)
                 return "draft", d, q
             return "ngram", [], None
         finally:
@@ -306,6 +312,7 @@ class DraftGate:
         self.evidence = 0            # draft rounds seen
         self.lost = 0                # trials lost in a row
         self.rows = RowCost()        # what one more row of a verify pass costs, measured (spec/costs.py)
+        self.verify = {}             # k -> verify pass over k drafts, in target steps (moving averages)
         self.leaf_rate = LEAF_TAKEN  # share of side leaves taken, a moving average
         self.new_generation()
 
@@ -344,6 +351,23 @@ class DraftGate:
         of a step: off (trace replay with that machine's costs: 1.28x with leaves, 1.31x without)."""
         return self.leaf_rate >= self.rows.value * (self.value() or 1.0)
 
+    def extend_pays(self, k: int, chain: float) -> bool:
+        """Whether the draft should go on to a k-th token this round, the tokens so far holding with
+        probability `chain` (the product of the draft's own probabilities). The k-th token is accepted with
+        about that probability, and costs a draft step plus the verify pass's k-th row. That pays while the
+        tokens it is expected to bring per step of cost reach the rate draft rounds already get (value(), at
+        least plain decoding's 1 a step). A row's cost is the measured difference between verify passes over
+        k and k - 1 drafts, since rows do not cost alike: on AVX2 a 5th row starts a second pass over every
+        tile (BENCHMARKS.md). Until both are measured, the fitted cost of a row (rows.value).
+        Trace replay with the AVX2 Zen 3's verify costs: 1.40x -> 1.42x; where rows are cheap, unchanged
+        (benchmarks/spec_sim.py sim, "cost rate=gate")."""
+        if self.draft_step is None or self.target_step is None:
+            return True
+        now, before = self.verify.get(k), self.verify.get(k - 1)
+        row = now - before if now is not None and before is not None else self.rows.value
+        cost = self.draft_step / self.target_step + max(0.0, row)
+        return chain >= max(1.0, self.value() or 1.0) * cost
+
     def observe_leaf(self, taken: bool) -> None:
         self.leaf_rate = self._avg(self.leaf_rate, float(taken))
 
@@ -354,6 +378,7 @@ class DraftGate:
         # the gate's own cost model keeps its fixed row_cost, not rows.value: replayed, the fitted cost made it
         # drop marginal drafts and lost 0.013-0.017x (BENCHMARKS.md, "AVX2-only CPU")
         self.target_step = self._avg(self.target_step, verify_s / (1 + self.row_cost * k))
+        self.verify[k] = self._avg(self.verify.get(k), verify_s / self.target_step)
         if draft_step_s is not None:
             self.draft_step = self._avg(self.draft_step, draft_step_s)
 
