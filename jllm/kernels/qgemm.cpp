@@ -32,6 +32,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -491,6 +492,19 @@ inline bool one_pass_groups(int kind, int rows, int valid) {
     return rows <= kBothRows || (kGroups && (kind != kSix || kBothSix > 1));
 }
 
+// Decode steps and verify passes (one tile a group): each thread streams its own contiguous share, claiming
+// JLLM_STEAL bytes of tiles at a time, and then takes what is left of the others' shares (0: static shares).
+// The static halves left one thread idle at the end of every matrix while the other finished (perf: ~12 % of
+// a draft step's samples spinning in libgomp). AVX2 Zen 3, slow memory phase, interleaved rounds
+// (benchmarks/kernel_variants.py): draft matrices M = 1 / 2 / 3 9.74 / 9.60 / 11.82 -> 9.34 / 9.36 / 10.91 ms
+// with 32 KiB, and 10.27 / 11.38 (M = 1 / 3) -> 10.27 / 10.59 (32 KiB), 10.02 / 10.41 (64), 9.94 / 10.27 (128);
+// target matrices M = 1 / 3 / 4 / 5 40.88 / 50.55 / 61.50 / 82.04 -> 39.16 / 50.07 / 60.35 / 78.59 (128 KiB).
+// The tiles are independent, so which thread computes one does not change a bit.
+#ifndef JLLM_STEAL
+#define JLLM_STEAL 131072
+#endif
+constexpr int64_t kSteal = JLLM_STEAL;
+
 // Blocks per super-block of a compact tile: the largest divisor of the row's block count up to 8 (8 for
 // Q4_K rows, whose super-blocks are 256 inputs). qlinear.super_blocks is the same rule.
 int64_t super_blocks(int64_t nb) {
@@ -545,8 +559,8 @@ void qmatmul_raw(const float* x, int64_t M, int64_t K, const QView& w, float* y,
     // 29.05 / 30.64 / 31.14 (benchmarks/kernel_variants.py).
     const int64_t group = M <= kMaxRows ? 1 : std::max<int64_t>(1, group_bytes / tile_bytes);
     const int64_t ngroups = (T + group - 1) / group;
-    at::parallel_for(0, ngroups, 1, [&](int64_t g0, int64_t g1) {
-        for (int64_t g = g0; g < g1; ++g) {
+    const auto run_group = [&](int64_t g) {
+        {
             const int64_t t0 = g * group, t1 = std::min(T, t0 + group);
             const int64_t chunk = M <= kMaxRows ? M : kRows;
             for (int64_t r0 = 0; r0 < M; r0 += chunk) {
@@ -573,6 +587,30 @@ void qmatmul_raw(const float* x, int64_t M, int64_t K, const QView& w, float* y,
                 }
             }
         }
+    };
+    const int threads = at::get_num_threads();
+    if (kSteal && group == 1 && threads > 1 && ngroups >= 2 * threads) {
+        // Each thread streams its own contiguous share of the tiles, claiming a few at a time from its cursor;
+        // once done it takes what is left of the others' shares, so no thread waits idle at the end.
+        struct alignas(64) Cursor { std::atomic<int64_t> next; int64_t end; };
+        std::vector<Cursor> cursors(threads);
+        for (int i = 0; i < threads; ++i) {
+            cursors[i].next.store(ngroups * i / threads, std::memory_order_relaxed);
+            cursors[i].end = ngroups * (i + 1) / threads;
+        }
+        const int64_t step = std::max<int64_t>(1, kSteal / tile_bytes);
+        at::parallel_for(0, threads, 1, [&](int64_t i0, int64_t i1) {
+            for (int64_t i = i0; i < i1; ++i)
+                for (int o = 0; o < threads; ++o) {
+                    Cursor& c = cursors[(i + o) % threads];
+                    for (int64_t g; (g = c.next.fetch_add(step, std::memory_order_relaxed)) < c.end;)
+                        for (int64_t e = std::min(c.end, g + step); g < e; ++g) run_group(g);
+                }
+        });
+        return;
+    }
+    at::parallel_for(0, ngroups, 1, [&](int64_t g0, int64_t g1) {
+        for (int64_t g = g0; g < g1; ++g) run_group(g);
     });
 }
 
