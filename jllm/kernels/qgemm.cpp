@@ -552,46 +552,45 @@ void qmatmul_raw(const float* x, int64_t M, int64_t K, const QView& w, float* y,
     const int64_t per_super = super_blocks(nb);
     // Tiles are processed in groups whose weights stay in cache while every row chunk passes over them.
     const int64_t tile_bytes = std::max<int64_t>(1, (off[T] - off[0]) / T);
-    // With one chunk of rows (M <= kMaxRows: decode steps, verify passes) there is nothing to reuse: the
-    // threads take equal halves of the tiles. Groups of 96 KiB split the draft's smaller matrices 4 : 3
-    // (its attention projections are 7 groups), and the thread with less work waited. All draft matrices,
-    // 59 interleaved rounds: M = 1 4.95 -> 4.85 ms; the target's M = 1 / 3 / 5 29.11 / 30.70 / 31.54 ->
-    // 29.05 / 30.64 / 31.14 (benchmarks/kernel_variants.py).
+    // With one chunk of rows (M <= kMaxRows: decode steps, verify passes) there is nothing to reuse: a group
+    // is one tile, and the threads share them by stealing (kSteal). Groups of 96 KiB split the draft's smaller
+    // matrices 4 : 3 (its attention projections are 7 groups), and the thread with less work waited. All draft
+    // matrices, 59 interleaved rounds: M = 1 4.95 -> 4.85 ms; the target's M = 1 / 3 / 5 29.11 / 30.70 /
+    // 31.54 -> 29.05 / 30.64 / 31.14 (benchmarks/kernel_variants.py).
     const int64_t group = M <= kMaxRows ? 1 : std::max<int64_t>(1, group_bytes / tile_bytes);
     const int64_t ngroups = (T + group - 1) / group;
     const auto run_group = [&](int64_t g) {
-        {
-            const int64_t t0 = g * group, t1 = std::min(T, t0 + group);
-            const int64_t chunk = M <= kMaxRows ? M : kRows;
-            for (int64_t r0 = 0; r0 < M; r0 += chunk) {
-                const int rows = (int)std::min<int64_t>(chunk, M - r0);
-                for (int64_t t = t0; t < t1; ++t) {
-                    const int valid = (int)std::min<int64_t>(16, n - 16 * t);
-                    if (one_pass_groups(kind[t], rows, valid)) {
-                        // the rows in near-equal groups of up to kBothRows, each group one pass over both halves;
-                        // the later groups read the tile's weights from cache
-                        const int groups = (rows + kBothRows - 1) / std::max(kBothRows, 1);
-                        for (int g = 0, q0 = 0; g < groups; ++g) {
-                            const int q = kGroups == 2 ? std::min(kBothRows, rows - q0) : (rows - q0) / (groups - g);
-                            both_tile(kind[t], q, valid)(wp + off[t], nb, per_super, xqp + (r0 + q0) * K,
-                                                         dxp + (r0 + q0) * nb, bsp + (r0 + q0) * nb, K,
-                                                         y + (r0 + q0) * n + 16 * t, n, valid,
-                                                         bp ? bp + 16 * t : nullptr, 0);
-                            q0 += q;
-                        }
-                        continue;
+        const int64_t t0 = g * group, t1 = std::min(T, t0 + group);
+        const int64_t chunk = M <= kMaxRows ? M : kRows;
+        for (int64_t r0 = 0; r0 < M; r0 += chunk) {
+            const int rows = (int)std::min<int64_t>(chunk, M - r0);
+            for (int64_t t = t0; t < t1; ++t) {
+                const int valid = (int)std::min<int64_t>(16, n - 16 * t);
+                if (one_pass_groups(kind[t], rows, valid)) {
+                    // the rows in near-equal groups of up to kBothRows, each group one pass over both halves;
+                    // the later groups read the tile's weights from cache
+                    const int groups = (rows + kBothRows - 1) / std::max(kBothRows, 1);
+                    for (int g = 0, q0 = 0; g < groups; ++g) {
+                        const int q = kGroups == 2 ? std::min(kBothRows, rows - q0) : (rows - q0) / (groups - g);
+                        both_tile(kind[t], q, valid)(wp + off[t], nb, per_super, xqp + (r0 + q0) * K,
+                                                     dxp + (r0 + q0) * nb, bsp + (r0 + q0) * nb, K,
+                                                     y + (r0 + q0) * n + 16 * t, n, valid,
+                                                     bp ? bp + 16 * t : nullptr, 0);
+                        q0 += q;
                     }
-                    for (int half = 0; half * kLanes < valid; ++half)
-                        kTile[kind[t]][rows](wp + off[t], nb, per_super, xqp + r0 * K, dxp + r0 * nb, bsp + r0 * nb,
-                                             K, y + r0 * n + 16 * t, n, valid, bp ? bp + 16 * t : nullptr, half);
+                    continue;
                 }
+                for (int half = 0; half * kLanes < valid; ++half)
+                    kTile[kind[t]][rows](wp + off[t], nb, per_super, xqp + r0 * K, dxp + r0 * nb, bsp + r0 * nb,
+                                         K, y + r0 * n + 16 * t, n, valid, bp ? bp + 16 * t : nullptr, half);
             }
         }
     };
     const int threads = at::get_num_threads();
     if (kSteal && group == 1 && threads > 1 && ngroups >= 2 * threads) {
-        // Each thread streams its own contiguous share of the tiles, claiming a few at a time from its cursor;
-        // once done it takes what is left of the others' shares, so no thread waits idle at the end.
+        // Each thread streams its own contiguous share of the tiles, claiming kSteal bytes at a time from its
+        // cursor; once done it takes what is left of the others' shares, so no thread waits idle at the end.
+        // (Called inside a parallel region, parallel_for runs all of it on this thread: the same tiles.)
         struct alignas(64) Cursor { std::atomic<int64_t> next; int64_t end; };
         std::vector<Cursor> cursors(threads);
         for (int i = 0; i < threads; ++i) {
