@@ -1,0 +1,64 @@
+"""What verify passes cost inside the speculative loop, by row count, against plain decoding's step in the
+same run: every `--every`-th corpus prompt decoded plain and then speculatively (as `jllm bench --spec` does),
+each target forward pass of up to 12 tokens timed. These are the V(k) to replay the corpus with
+(`spec_sim.py sim --V`): they include what the loop does to the target's passes (the draft's steps between
+them), which the context-300 passes of `jllm bench` do not.
+
+    python benchmarks/spec_loop_costs.py [--every 3] [-n 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import time
+
+from jllm.engine import Engine
+from jllm.sampling import SamplingParams
+from jllm.spec.bench import _run
+from jllm.spec.corpus import load_corpus
+from jllm.spec.decode import SpecConfig
+from jllm.store import resolve
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-m", "--model", default="qwen2.5-coder-1.5b")
+    ap.add_argument("-md", "--draft", default="qwen2.5-coder-0.5b")
+    ap.add_argument("-n", type=int, default=128)
+    ap.add_argument("--every", type=int, default=3, help="every N-th corpus prompt")
+    a = ap.parse_args()
+    eng = Engine(str(resolve(a.model)), draft_path=str(resolve(a.draft)), spec=SpecConfig())
+    times = collections.defaultdict(list)         # (mode, rows) -> seconds
+    forward, mode = eng.model.forward, ["plain"]
+
+    def timed(tokens, *args, **kw):
+        t = time.perf_counter()
+        out = forward(tokens, *args, **kw)
+        if len(tokens) <= 12:                     # decode steps and verify passes, not prompt prefills
+            times[mode[0], len(tokens)].append(time.perf_counter() - t)
+        return out
+
+    eng.model.forward = timed
+    params = SamplingParams(max_tokens=a.n)
+    for item in load_corpus()[::a.every]:
+        ids = eng.chat_ids(item["messages"])
+        mode[0] = "plain"
+        _run(eng, ids, params, None)
+        mode[0] = "spec"
+        _run(eng, ids, params, SpecConfig())
+    step = statistics.median(times["plain", 1])
+    print(f"plain step: median {step * 1000:.2f} ms over {len(times['plain', 1])} steps")
+    print(f"{'drafts k':>8} {'passes':>7} {'median ms':>10} {'steps':>6}")
+    passes = []
+    for rows in range(1, 13):
+        ts = times.get(("spec", rows))
+        if ts:
+            passes += ts
+            print(f"{rows - 1:>8} {len(ts):>7} {statistics.median(ts) * 1000:>10.2f} {statistics.median(ts) / step:>6.2f}")
+    print(f"mean verify pass: {statistics.mean(passes) / step:.2f} steps over {len(passes)} passes")
+
+
+if __name__ == "__main__":
+    main()
