@@ -115,6 +115,7 @@ def replay(row: dict, policy: dict, d: float, V, gate=None) -> tuple[float, int,
     kn_max = policy.get("kmax_ngram", kmax)     # the n-gram proposer's own cap (default: the same)
     kn = kn_max
     synced = i                                  # the draft has seen the text up to here
+    ng = [0, 0]                                 # n-gram tokens accepted, n-gram rounds cut short
     cap = kmax                                  # policy "grow": a draft round may go at most this far
     while i < n_out:
         room = n_out - i - 1
@@ -123,6 +124,13 @@ def replay(row: dict, policy: dict, d: float, V, gate=None) -> tuple[float, int,
             prop, m = ngram_lookup(ctx, min(kn, room))
             if prop and m >= policy.get("ngram_min", 3):
                 drafts, kind = prop, "ngram"
+                if policy.get("ngram_cost"):          # keep the j-th token while c^j pays for its row
+                    c = (ng[0] + 1) / (ng[0] + ng[1] + 2)
+                    rate = max(1.0, (gate.value() if gate is not None else None) or 1.0)
+                    j = 1
+                    while j < len(drafts) and c ** (j + 1) >= rate * (V(j + 1) - V(j)):
+                        j += 1
+                    drafts = drafts[:j]
         if kind is None and room > 0 and (gate is None or gate.choose() == "draft"):
             kind, chain, steps = "draft", 1.0, 1          # the first step is the draft's catch-up pass
             cost += d * max(0, i - synced - 1) * 0.08
@@ -165,6 +173,8 @@ def replay(row: dict, policy: dict, d: float, V, gate=None) -> tuple[float, int,
         accepted += n
         if kind == "ngram":
             kn = min(kn_max, kn + 1) if n == len(drafts) else max(1, n + 1)
+            ng[0] += n
+            ng[1] += n < len(drafts)
         n += taken
         ctx.extend(out[i:i + n + 1])
         i += n + 1
@@ -186,6 +196,8 @@ def sim(a) -> None:
         for leaf_p in (0.5, 0.7, 0.9):        # jllm's policy with side leaves (gate in the loop)
             _line(f"d={d:.2f} jllm gate   leaf_p={leaf_p}", rows, cats,
                   {"kmax": 8, "p_min": 0.7, "grow": 2, "leaf_p": leaf_p}, d, V, True)
+        _line(f"d={d:.2f} cost rate=gate p_min=0.7 ngram_cost", rows, cats,
+              {"kmax": 8, "p_min": 0.7, "grow": 2, "rate": "gate", "ngram_cost": True}, d, V, True)
         for rate in (1.0, 1.3, "gate"):
             for pmin in (0.5, 0.7):
                 _line(f"d={d:.2f} cost rate={rate} p_min={pmin}", rows, cats,

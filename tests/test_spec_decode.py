@@ -249,6 +249,31 @@ def test_draft_gate_stops_the_draft_where_one_more_row_costs_too_much():
     cheap = gate_with([1.0, 1.02, 1.04, 1.06, 1.08, 1.1])    # AVX-512 while memory is slow: rows nearly free
     assert cheap.extend_pays(4, 0.5) and cheap.extend_pays(5, 0.5)
     assert DraftGate().extend_pays(8, 0.01)                  # nothing measured yet: p_min alone decides
+    # an n-gram token costs no draft step, only its row
+    assert avx2.extend_pays(4, 0.8, free=True) and not avx2.extend_pays(4, 0.5, free=True)
+
+
+def test_ngram_proposals_are_cut_where_their_rows_do_not_pay():
+    from jllm.spec.decode import DraftGate, SpecConfig, SpeculativeDecoder
+
+    class Eng:                       # what the decoder reads of an engine before decoding
+        class model:
+            stack = None
+
+    gate = DraftGate()
+    steps = [1.0, 1.05, 1.12, 1.3, 1.9, 2.3, 2.6, 2.9, 3.2]      # AVX2-like: rows dear from the 4th
+    for i in range(180):
+        gate.observe(0.030 * steps[i % 9], i % 9)
+    dec = SpeculativeDecoder(Eng(), None, SpecConfig(mode="ngram"), gate=gate)
+    proposal = list(range(8))
+    dec.ngram_rounds = [90, 10]      # copying, 9 in 10 tokens held: even the dear rows pay
+    assert dec._ngram_worth(proposal) == proposal
+    dec.ngram_rounds = [80, 20]      # 8 in 10: the 4th token (0.8^4 = 0.41) is not worth its ~0.55 step
+    assert dec._ngram_worth(proposal) == [0, 1, 2]
+    dec.ngram_rounds = [10, 30]      # the copies keep breaking: one token
+    assert dec._ngram_worth(proposal) == [0]
+    dec.cfg.cost_stop = False
+    assert dec._ngram_worth(proposal) == proposal
 
 
 def test_engine_keeps_one_gate_across_turns(paths):

@@ -46,7 +46,8 @@ class SpecConfig:
                                 # position when the draft gave its own token less than this (0: never)
     leaf_gate: bool = True      # ... and only while the measured cost of a row says leaves pay (False: always)
     cost_stop: bool = True      # the draft also stops where one more token would cost more than it is likely
-                                # to bring, by the verify passes' measured costs (DraftGate.extend_pays)
+                                # to bring, by the verify passes' measured costs (DraftGate.extend_pays), and
+                                # n-gram proposals are cut the same way
 
 
 def draft_precision_for(target_precision: str, choice: str = "auto") -> str:
@@ -175,6 +176,7 @@ class SpeculativeDecoder:
         self.leaf_p = cfg.leaf_p if engine.model.stack is not None else 0.0
         self.use_ngram = mode in ("ngram", "draft+ngram")
         self.ngram = NgramProposer(max_ngram=4, min_ngram=1)
+        self.ngram_rounds = [0, 0]      # n-gram tokens accepted, n-gram rounds cut short by a rejection
         self.stats = SpecStats()
         # n-gram proposals adapt their length; the draft's length is set by its confidence (propose), within
         # a cap of 2 past what its previous round got accepted: a draft wrong from its first token is not
@@ -190,7 +192,7 @@ class SpeculativeDecoder:
             if self.use_ngram:
                 d = self.ngram.propose(min(self.k["ngram"], room))
                 if d and (self.ngram.last_match_len >= self.cfg.ngram_min_match or not self.use_draft):
-                    return "ngram", d, None
+                    return "ngram", self._ngram_worth(d), None
             if self.use_draft and self.gate.choose() == "draft":
                 greedy = params.greedy and params.repeat_penalty == 1.0
                 leaf_p = self.leaf_p if greedy and (not self.cfg.leaf_gate or self.gate.leaf_pays()) else 0.0
@@ -201,6 +203,20 @@ class SpeculativeDecoder:
             return "ngram", [], None
         finally:
             self.stats.draft_s += time.perf_counter() - t0
+
+    def _ngram_worth(self, drafts: list[int]) -> list[int]:
+        """The n-gram proposal cut where its next token is not worth its verify row (cost_stop): the j-th
+        token holds with about c^j, c being the share of n-gram tokens that held after the ones before them
+        (accepted / (accepted + rounds cut short), from this generation's rounds). Replay with the AVX2
+        Zen 3's costs: 1.44x -> 1.47x; where rows are cheap 1.61x -> 1.62x (spec_sim.py, "ngram_cost")."""
+        if not self.cfg.cost_stop:
+            return drafts
+        held, broke = self.ngram_rounds
+        c = (held + 1) / (held + broke + 2)
+        keep = 1
+        while keep < len(drafts) and self.gate.extend_pays(keep + 1, c ** (keep + 1), free=True):
+            keep += 1
+        return drafts[:keep]
 
     def tokens(self, logits: torch.Tensor, params: SamplingParams, budget: int) -> Iterator[int]:
         eng, cfg = self.engine, self.cfg
@@ -259,6 +275,9 @@ class SpeculativeDecoder:
                 if leaf is not None:
                     self.gate.observe_leaf(taken)
                 self._adapt(kind, len(drafts), n)
+                if kind == "ngram":
+                    self.ngram_rounds[0] += n
+                    self.ngram_rounds[1] += n < len(drafts)
             for tok in accepted[:n]:
                 history.append(tok)
                 self.ngram.append(tok)
@@ -351,7 +370,7 @@ class DraftGate:
         of a step: off (trace replay with that machine's costs: 1.28x with leaves, 1.31x without)."""
         return self.leaf_rate >= self.rows.value * (self.value() or 1.0)
 
-    def extend_pays(self, k: int, chain: float) -> bool:
+    def extend_pays(self, k: int, chain: float, free: bool = False) -> bool:
         """Whether the draft should go on to a k-th token this round, the tokens so far holding with
         probability `chain` (the product of the draft's own probabilities). The k-th token is accepted with
         about that probability, and costs a draft step plus the verify pass's k-th row. That pays while the
@@ -360,12 +379,12 @@ class DraftGate:
         k and k - 1 drafts, since rows do not cost alike: on AVX2 a 5th row starts a second pass over every
         tile (BENCHMARKS.md). Until both are measured, the fitted cost of a row (rows.value).
         Trace replay with the AVX2 Zen 3's verify costs: 1.40x -> 1.42x; where rows are cheap, unchanged
-        (benchmarks/spec_sim.py sim, "cost rate=gate")."""
-        if self.draft_step is None or self.target_step is None:
+        (benchmarks/spec_sim.py sim, "cost rate=gate"). free: the token costs no draft step (n-gram)."""
+        if self.target_step is None or (self.draft_step is None and not free):
             return True
         now, before = self.verify.get(k), self.verify.get(k - 1)
         row = now - before if now is not None and before is not None else self.rows.value
-        cost = self.draft_step / self.target_step + max(0.0, row)
+        cost = (0.0 if free else self.draft_step / self.target_step) + max(0.0, row)
         return chain >= max(1.0, self.value() or 1.0) * cost
 
     def observe_leaf(self, taken: bool) -> None:
