@@ -46,8 +46,8 @@ class SpecConfig:
                                 # position when the draft gave its own token less than this (0: never)
     leaf_gate: bool = True      # ... and only while the measured cost of a row says leaves pay (False: always)
     cost_stop: bool = True      # the draft also stops where one more token would cost more than it is likely
-                                # to bring, by the verify passes' measured costs (DraftGate.extend_pays), and
-                                # n-gram proposals are cut the same way
+                                # to bring, by the verify passes' measured costs (DraftGate.extend_pays)
+    ngram_cut: bool = True      # ... and n-gram proposals are cut the same way (with cost_stop)
 
 
 def draft_precision_for(target_precision: str, choice: str = "auto") -> str:
@@ -209,7 +209,7 @@ class SpeculativeDecoder:
         token holds with about c^j, c being the share of n-gram tokens that held after the ones before them
         (accepted / (accepted + rounds cut short), from this generation's rounds). Replay with the AVX2
         Zen 3's costs: 1.44x -> 1.47x; where rows are cheap 1.61x -> 1.62x (spec_sim.py, "ngram_cost")."""
-        if not self.cfg.cost_stop:
+        if not (self.cfg.cost_stop and self.cfg.ngram_cut):
             return drafts
         held, broke = self.ngram_rounds
         c = (held + 1) / (held + broke + 2)
