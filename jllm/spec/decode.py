@@ -192,7 +192,7 @@ class SpeculativeDecoder:
             if self.use_ngram:
                 d = self.ngram.propose(min(self.k["ngram"], room))
                 if d and (self.ngram.last_match_len >= self.cfg.ngram_min_match or not self.use_draft):
-                    return "ngram", self._ngram_worth(d), None
+                    return "ngram", self._ngram_worth(d) if params.greedy else d, None
             if self.use_draft and self.gate.choose() == "draft":
                 greedy = params.greedy and params.repeat_penalty == 1.0
                 leaf_p = self.leaf_p if greedy and (not self.cfg.leaf_gate or self.gate.leaf_pays()) else 0.0
@@ -208,7 +208,9 @@ class SpeculativeDecoder:
         """The n-gram proposal cut where its next token is not worth its verify row (cost_stop): the j-th
         token holds with about c^j, c being the share of n-gram tokens that held after the ones before them
         (accepted / (accepted + rounds cut short), from this generation's rounds). Replay with the AVX2
-        Zen 3's costs: 1.44x -> 1.47x; where rows are cheap 1.61x -> 1.62x (spec_sim.py, "ngram_cost")."""
+        Zen 3's costs: 1.44x -> 1.47x; where rows are cheap 1.61x -> 1.62x (spec_sim.py, "ngram_cost").
+        Greedy decoding only: the cut follows measured times, and a sampled generation must draw the same
+        random numbers for the same seed (n-gram proposals otherwise depend on the text alone)."""
         if not (self.cfg.cost_stop and self.cfg.ngram_cut):
             return drafts
         held, broke = self.ngram_rounds
