@@ -96,6 +96,12 @@ def ngram_lookup(ctx: list[int], k: int, max_n: int = 4) -> tuple[list[int], int
     return find_ngram(ctx, k, max_n, 1)
 
 
+def _gate_rate(gate) -> float:
+    """Tokens a step that draft rounds bring by the gate's estimate, at least plain decoding's 1 (as
+    DraftGate.extend_pays uses it)."""
+    return max(1.0, (gate.value() if gate is not None else None) or 1.0)
+
+
 def replay(row: dict, policy: dict, d: float, V, gate=None) -> tuple[float, int, int, int]:
     """-> (cost in target steps, tokens emitted, drafted, accepted) for one prompt.
 
@@ -126,7 +132,7 @@ def replay(row: dict, policy: dict, d: float, V, gate=None) -> tuple[float, int,
                 drafts, kind = prop, "ngram"
                 if policy.get("ngram_cost"):          # keep the j-th token while c^j pays for its row
                     c = (ng[0] + 1) / (ng[0] + ng[1] + 2)
-                    rate = max(1.0, (gate.value() if gate is not None else None) or 1.0)
+                    rate = _gate_rate(gate)
                     j = 1
                     while j < len(drafts) and c ** (j + 1) >= rate * (V(j + 1) - V(j)):
                         j += 1
@@ -146,7 +152,7 @@ def replay(row: dict, policy: dict, d: float, V, gate=None) -> tuple[float, int,
                 if "rate" in policy:
                     rate = policy["rate"]
                     if rate == "gate":
-                        rate = max(1.0, (gate.value() if gate is not None else None) or 1.0)
+                        rate = _gate_rate(gate)
                     if chain < rate * (d + V(j + 2) - V(j + 1)):
                         break
                 steps += 1

@@ -3,9 +3,9 @@
 A verify pass over k drafts takes about a + b k seconds: a is a step's stream of the weights, b the compute
 of one more row. b / a is the row's cost in target steps, and it is a property of the machine, not of the
 model: ~0.03 on a Zen 4 with AVX-512 VNNI while memory is slow, ~0.15 while it is fast, ~0.25 on a Zen 3
-with AVX2 only (every vector op of a row takes a slot of the same four FP pipes; BENCHMARKS.md).
-Rows past the fourth cost more again there; DraftGate keeps the cost per draft count for that. Whether an extra row pays, as the side
-leaf does (spec/decode.py), depends on it, so the decoder measures it instead of assuming one figure.
+with AVX2 only (every vector op of a row takes a slot of the same four FP pipes; BENCHMARKS.md). Rows past the
+fourth cost more again there; DraftGate keeps the cost per draft count for that. Whether an extra row pays, as
+the side leaf does (spec/decode.py), depends on it, so the decoder measures it instead of assuming one figure.
 
 The fit is least squares over the rounds with weights decaying by `decay` a round: the host's memory speed
 drifts over minutes, and the recent rounds are the ones that tell what the next will cost.
