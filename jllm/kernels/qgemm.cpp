@@ -570,8 +570,8 @@ void qmatmul_raw(const float* x, int64_t M, int64_t K, const QView& w, float* y,
                     // the rows in near-equal groups of up to kBothRows, each group one pass over both halves;
                     // the later groups read the tile's weights from cache
                     const int groups = (rows + kBothRows - 1) / std::max(kBothRows, 1);
-                    for (int g = 0, q0 = 0; g < groups; ++g) {
-                        const int q = kGroups == 2 ? std::min(kBothRows, rows - q0) : (rows - q0) / (groups - g);
+                    for (int j = 0, q0 = 0; j < groups; ++j) {
+                        const int q = kGroups == 2 ? std::min(kBothRows, rows - q0) : (rows - q0) / (groups - j);
                         both_tile(kind[t], q, valid)(wp + off[t], nb, per_super, xqp + (r0 + q0) * K,
                                                      dxp + (r0 + q0) * nb, bsp + (r0 + q0) * nb, K,
                                                      y + (r0 + q0) * n + 16 * t, n, valid,
