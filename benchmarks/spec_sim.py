@@ -8,6 +8,8 @@ target's own output, so "the draft's token at position i given the target's pref
     python benchmarks/spec_sim.py trace [--out F]        # ~5 min: target output + draft predictions
     python benchmarks/spec_sim.py costs                   # measured d and V(k) on this machine
     python benchmarks/spec_sim.py sim [--traces F]        # policies x costs -> predicted speedup
+    python benchmarks/spec_sim.py bound [--d ...] [--V ...]  # how well the draft's confidence predicts
+                                                          # acceptance, and what foresight would reach
 """
 
 from __future__ import annotations
@@ -294,10 +296,61 @@ def variant(a) -> None:
         print(f"{kind} {arg}: bytes {share:.2f}, agree {hits / n:.3f}, " + ", ".join(res), flush=True)
 
 
+def bound(a) -> None:
+    """What a policy can learn from the draft's confidence, and what it leaves. First the calibration: over
+    the traces, how often the draft's top-1 is the target's token by the draft's own probability for it
+    (and by whether a one-token n-gram lookup agrees with it). Then an upper bound no policy reaches: each
+    round chosen with foresight of how far the draft's chain and the n-gram's copy will hold (plain step,
+    draft of exactly that length, or n-gram of exactly that length, whichever brings most tokens per cost).
+    With calibrated probabilities, the gap between that bound and `sim` is what cannot be known in advance."""
+    data = json.loads(Path(a.traces).read_text())
+    rows = data["rows"]
+    Vtab, V = _verify_costs(a)
+    bins = {}
+    for r in rows:
+        out, dr, dp = r["out"], r["draft"], r["draft_p"]
+        for i in range(1, len(out)):
+            g, _ = ngram_lookup(r["prompt"] + out[:i], 1)
+            key = ("agree" if g and g[0] == dr[i] else "differ" if g else "none", min(9, int(dp[i] * 10)))
+            hits = bins.setdefault(key, [0, 0])
+            hits[0] += 1
+            hits[1] += dr[i] == out[i]
+    print("the draft's top-1 probability p -> share of its tokens the target agrees with (positions)")
+    for lookup in ("all", "agree", "differ", "none"):
+        cells = []
+        for b in range(10):
+            n = sum(v[0] for (g, bb), v in bins.items() if bb == b and lookup in ("all", g))
+            h = sum(v[1] for (g, bb), v in bins.items() if bb == b and lookup in ("all", g))
+            if n:
+                cells.append(f"{b / 10:.1f}:{h / n:.2f}({n})")
+        print(f"  n-gram {lookup:<6} " + " ".join(cells))
+    print(f"V(k) = {Vtab}")
+    for d in [float(x) for x in a.d.split(",")]:
+        tokens = cost = 0.0
+        for r in rows:
+            out, dr = r["out"], r["draft"]
+            i = 1
+            while i < len(out):
+                chain = 0
+                while i + chain < len(out) and chain < 8 and dr[i + chain] == out[i + chain]:
+                    chain += 1
+                g, _ = ngram_lookup(r["prompt"] + out[:i], 8)
+                copy = 0
+                while copy < len(g) and i + copy < len(out) and g[copy] == out[i + copy]:
+                    copy += 1
+                options = [(1, 1.0)] + [(k + 1, V(k) + k * d) for k in range(1, chain + 1)] \
+                    + [(k + 1, V(k)) for k in range(1, copy + 1)]
+                t, c = max(options, key=lambda o: o[0] / o[1])
+                i += t
+                tokens += t
+                cost += c
+        print(f"d={d:.2f} foresight bound {tokens / cost:.3f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for name in ("trace", "costs", "sim", "variant"):
+    for name in ("trace", "costs", "sim", "variant", "bound"):
         p = sub.add_parser(name)
         p.add_argument("-m", "--model", default="qwen2.5-coder-1.5b")
         p.add_argument("-md", "--draft", default="qwen2.5-coder-0.5b")
@@ -312,7 +365,7 @@ def main() -> None:
         p.add_argument("--skips", default="", help="variant: ;-separated lists of draft layers to drop")
         p.add_argument("--keeps", default="1,0.5,0.4,0.3,0.2", help="variant: shares of MLP channels kept")
     a = ap.parse_args()
-    {"trace": trace, "costs": costs, "sim": sim, "variant": variant}[a.cmd](a)
+    {"trace": trace, "costs": costs, "sim": sim, "variant": variant, "bound": bound}[a.cmd](a)
 
 
 if __name__ == "__main__":
