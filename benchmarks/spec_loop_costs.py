@@ -2,7 +2,8 @@
 same run: every `--every`-th corpus prompt decoded plain and then speculatively (as `jllm bench --spec` does),
 each target forward pass of up to 12 tokens timed. These are the V(k) to replay the corpus with
 (`spec_sim.py sim --V`): they include what the loop does to the target's passes (the draft's steps between
-them), which the context-300 passes of `jllm bench` do not.
+them), which the context-300 passes of `jllm bench` do not. Then where each mode's decode time went: target
+passes, draft passes, and the rest (sampling, drafting logic, cache bookkeeping, Python).
 
     python benchmarks/spec_loop_costs.py [--every 3] [-n 128]
 """
@@ -30,24 +31,34 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=3, help="every N-th corpus prompt")
     a = ap.parse_args()
     eng = Engine(str(resolve(a.model)), draft_path=str(resolve(a.draft)), spec=SpecConfig())
-    times = collections.defaultdict(list)         # (mode, rows) -> seconds
-    forward, mode = eng.model.forward, ["plain"]
+    times = collections.defaultdict(list)         # (mode, rows) -> seconds of target passes
+    spent = collections.Counter()                 # (mode, "target" | "draft" | "decode") -> seconds
+    mode = ["plain"]
 
-    def timed(tokens, *args, **kw):
-        t = time.perf_counter()
-        out = forward(tokens, *args, **kw)
-        if len(tokens) <= 12:                     # decode steps and verify passes, not prompt prefills
-            times[mode[0], len(tokens)].append(time.perf_counter() - t)
-        return out
+    def timing(model, name):
+        forward = model.forward
 
-    eng.model.forward = timed
+        def timed(tokens, *args, **kw):
+            t = time.perf_counter()
+            out = forward(tokens, *args, **kw)
+            if len(tokens) <= 12:                 # decode steps, verify passes, draft steps; not prefills
+                dt = time.perf_counter() - t
+                spent[mode[0], name] += dt
+                if name == "target":
+                    times[mode[0], len(tokens)].append(dt)
+            return out
+
+        model.forward = timed
+
+    timing(eng.model, "target")
+    timing(eng.draft.model, "draft")
     params = SamplingParams(max_tokens=a.n)
     for item in load_corpus()[::a.every]:
         ids = eng.chat_ids(item["messages"])
-        mode[0] = "plain"
-        _run(eng, ids, params, None)
-        mode[0] = "spec"
-        _run(eng, ids, params, SpecConfig())
+        for mode[0], cfg in (("plain", None), ("spec", SpecConfig())):
+            res, _ = _run(eng, ids, params, cfg)
+            spent[mode[0], "decode"] += res.timings.decode_ms / 1000
+            spent[mode[0], "tokens"] += len(res.token_ids)
     step = statistics.median(times["plain", 1])
     print(f"plain step: median {step * 1000:.2f} ms over {len(times['plain', 1])} steps")
     print(f"{'drafts k':>8} {'passes':>7} {'median ms':>10} {'steps':>6}")
@@ -58,6 +69,12 @@ def main() -> None:
             passes += ts
             print(f"{rows - 1:>8} {len(ts):>7} {statistics.median(ts) * 1000:>10.2f} {statistics.median(ts) / step:>6.2f}")
     print(f"mean verify pass: {statistics.mean(passes) / step:.2f} steps over {len(passes)} passes")
+    print(f"\n{'mode':<6} {'tok/s':>7} {'decode s':>9} {'target':>7} {'draft':>7} {'rest':>7}")
+    for m in ("plain", "spec"):
+        dec = spent[m, "decode"]
+        rest = dec - spent[m, "target"] - spent[m, "draft"]
+        print(f"{m:<6} {spent[m, 'tokens'] / dec:>7.2f} {dec:>9.2f} {spent[m, 'target'] / dec:>6.1%} "
+              f"{spent[m, 'draft'] / dec:>6.1%} {rest / dec:>6.1%}")
 
 
 if __name__ == "__main__":
