@@ -13,6 +13,7 @@ import time
 
 from jllm.errors import JllmError
 from jllm.spec import DRAFT_MAX, DRAFT_MIN, LEAF_P, P_MIN
+from jllm.tokenizer.unicode import well_formed
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -229,7 +230,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
           ". Ctrl-D or /exit to quit, /reset to start over.", file=sys.stderr)
     while True:
         try:
-            line = input("> ")
+            line = well_formed(input("> "))
         except EOFError:
             print(file=sys.stderr)
             break
@@ -481,6 +482,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
+    for name in ("prompt", "system"):              # bytes that are not UTF-8 arrive as lone surrogates
+        if isinstance(getattr(args, name, None), str):
+            setattr(args, name, well_formed(getattr(args, name)))
     try:
         return args.func(args)
     except JllmError as e:

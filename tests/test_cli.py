@@ -32,14 +32,15 @@ def home(tmp_path_factory) -> Path:
     return d
 
 
-def jllm(home: Path, *args: str, stdin: str | None = None, env: dict | None = None):
+def jllm(home: Path, *args: str, stdin: str | bytes | None = None, env: dict | None = None):
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("JLLM_")}
     full_env.update(JLLM_CONVERTED_DIR=str(home / "converted"), JLLM_MODELS_DIR=str(home / "models"),
                     PYTHONPATH=str(REPO))
     full_env.update(env or {})
     # bytes, not text=True: universal newlines would turn a progress bar's carriage returns into line breaks
     proc = subprocess.run([sys.executable, "-m", "jllm", *args], cwd=home, env=full_env,
-                          input=(stdin or "").encode(), capture_output=True, timeout=120)
+                          input=stdin if isinstance(stdin, bytes) else (stdin or "").encode(), capture_output=True,
+                          timeout=120)
     proc.stdout, proc.stderr = proc.stdout.decode(), proc.stderr.decode()
     return proc
 
@@ -242,3 +243,17 @@ def test_chat_over_stdin(home):
     answers = turns[1:-1]
     assert len(answers) == 2
     assert all(a.endswith("\n") and a.strip() for a in answers), answers
+
+
+def test_bytes_that_are_not_utf8_are_read_as_replacement_characters(home):
+    """Argument and stdin bytes that are not UTF-8 reach Python as lone surrogates, which the tokenizer and the
+    stored conversation cannot take: they are read as U+FFFD."""
+    proc = jllm(home, "generate", "-m", "tiny.gguf", "-n", "2", "-p", os.fsdecode(b"hi \xff there"))
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    proc = jllm(home, "chat", "-m", "tiny.gguf", "-n", "2", "--cache-dir", str(home / "kv-utf8"),
+                "--conversation", "bytes", "--system", os.fsdecode(b"\xfe"), stdin=b"hi\n\xff\xfe bad\n")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert len(proc.stdout.split("> ")) == 4                    # two answers, then EOF
+    saved = json.loads((home / "kv-utf8" / "conversations" / "bytes.json").read_text())
+    assert [m["content"] for m in saved["messages"] if m["role"] != "assistant"] == ["\ufffd", "hi", "\ufffd\ufffd bad"]
+

@@ -286,6 +286,20 @@ def test_file_vanishing_is_a_quiet_miss(store, warns):
     assert store.load(name, n) is None and warns == []
 
 
+def test_directory_removed_under_a_running_store_is_made_again(store, warns):
+    import shutil
+    store.save("c", make_state([1, 2, 3]))
+    shutil.rmtree(store.dir)                                        # a user cleaning up under a server
+    assert store.lookup([1, 2, 3], "c") == (None, 0) and store.entries() == []
+    store.save("c", make_state([1, 2, 3]))
+    assert store.lookup([1, 2, 3], "c") == ("c", 3) and warns == []
+    shutil.rmtree(store.dir)
+    store.dir.write_bytes(b"")                                      # and a file in its place: a miss, and
+    assert store.lookup([1, 2, 3], "c") == (None, 0)                # saving fails as a full disk does
+    with pytest.raises(OSError):
+        store.save("c", make_state([1, 2, 3]))
+
+
 def test_stale_temp_files_are_cleaned_and_not_counted(store):
     stale = store.dir / ".c.12345.deadbeef.tmp"
     stale.write_bytes(b"x" * 5000)

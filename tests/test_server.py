@@ -186,6 +186,7 @@ OK = {"model": "tiny", "messages": user("hi"), "max_tokens": 2}
 @pytest.mark.parametrize("body, status, param, code", [
     (b"{not json", 400, None, None),
     (b"[1, 2]", 400, None, None),
+    (b"[" * 100000 + b"]" * 100000, 400, None, None),
     ({"model": "tiny"}, 400, "messages", None),
     ({"model": "tiny", "messages": []}, 400, "messages", None),
     ({**OK, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role", None),
@@ -210,6 +211,17 @@ def test_bad_requests_get_openai_error_json(srv, body, status, param, code):
     assert err["type"] == "invalid_request_error"
     assert (err["param"] or "").split(".")[0] == (param or "").split(".")[0] and err["code"] == code
     assert "Traceback" not in r.text
+
+
+def test_text_that_is_not_unicode_is_answered(srv):
+    """A lone surrogate (JSON "\\ud800") is no character: it is read as U+FFFD, not a 500."""
+    for path, body in ((CHAT, b'{"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "\\ud800 hi"}]}'),
+                       ("/v1/completions", b'{"model": "tiny", "max_tokens": 2, "prompt": "\\udcff hi"}')):
+        r = srv.http.post(path, content=body, headers={"Content-Type": "application/json"})
+        assert r.status_code == 200, r.text
+    parts = {**OK, "messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]}
+    r = srv.http.post(CHAT, content=json.dumps(parts), headers={"Content-Type": "application/json"})
+    assert r.status_code == 200, r.text
 
 
 def test_errors_through_the_openai_client_and_other_routes(srv):

@@ -402,6 +402,7 @@ class KVStore:
             self.warn(f"KV state '{name}' ({size / 2**20:.1f} MiB) is larger than the whole KV cache "
                       f"({self.max_bytes / 2**20:.1f} MiB); not saved")
             return None
+        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)   # removed since we started: make it again
         with self._locked():
             self._remove_temps()
             self._evict(name, size)
@@ -479,9 +480,14 @@ class KVStore:
     # -- listing and housekeeping -----------------------------------------------------------------------------
 
     def _scan(self) -> list[tuple[str, os.stat_result]]:
-        """(name, lstat) of every regular `.kv` file whose name is a valid id; symlinks are not entries."""
+        """(name, lstat) of every regular `.kv` file whose name is a valid id; symlinks are not entries. A
+        directory removed under a running server holds none (save() makes it again)."""
         rows = []
-        for e in os.scandir(self.dir):
+        try:
+            listing = list(os.scandir(self.dir))
+        except (FileNotFoundError, NotADirectoryError):
+            return rows
+        for e in listing:
             if e.name.endswith(".kv") and _ID.fullmatch(e.name[:-3]) and ".." not in e.name[:-3]:
                 try:
                     st = e.stat(follow_symlinks=False)
@@ -525,6 +531,7 @@ class KVStore:
 
     def clear(self) -> int:
         """Remove every entry (of any models) and dead writers' temp files; returns the number of entries."""
+        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)   # removed since we started: make it again
         with self._locked():
             self._remove_temps()
             names = [name for name, _ in self._scan()]

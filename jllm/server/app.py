@@ -189,6 +189,8 @@ async def _parse(request: Request, model: type[BaseModel]):
         data = json.loads(await request.body())
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON ({e})") from None
+    except RecursionError:
+        raise APIError(400, "the request body is not valid JSON (nested too deeply)") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
     try:

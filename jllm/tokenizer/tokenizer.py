@@ -18,6 +18,7 @@ from typing import Iterable
 from jllm.errors import JllmError
 from jllm.tokenizer.bpe import BpeEncoder, piece_bytes
 from jllm.tokenizer.specials import SpecialSplitter
+from jllm.tokenizer.unicode import well_formed
 from jllm.tokenizer.spm import SPACE, SpmEncoder
 from jllm.tokenizer.vocab import BYTE, CONTROL, NORMAL, UNKNOWN, USER_DEFINED, Vocab
 
@@ -85,6 +86,7 @@ class Tokenizer:
     def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = True) -> list[int]:
         """Token ids of `text`. add_bos=None uses the GGUF's tokenizer.ggml.add_bos_token; parse_special=False
         reads control-token texts such as "<|im_start|>" as plain text (for untrusted input)."""
+        text = well_formed(text)
         ids: list[int] = []
         if add_bos if add_bos is not None else self.vocab.add_bos:
             if self.bos_id is None:
@@ -151,3 +153,4 @@ class Tokenizer:
     def __repr__(self) -> str:
         return (f"Tokenizer({self.vocab.model}/{self.vocab.pre}, {self.vocab_size} tokens, "
                 f"bos={self.bos_id}, eos={self.eos_id}, end={sorted(self.eot_ids)})")
+
