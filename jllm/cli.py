@@ -54,15 +54,29 @@ def _engine(a: argparse.Namespace, kv_cache: bool = False):
     from jllm.store import resolve
 
     kv_dir = str(_cache_dir(a)) if kv_cache else None
-    draft = getattr(a, "draft_model", None)
-    if a.mem_limit is not None:
-        from jllm.plan import check_limit, plan
+    _check_sizes(a)
+    spec = _spec_config(a)
+    draft = getattr(a, "draft_model", None) if spec is None or spec.mode != "none" else None   # --spec none: unused
+    from jllm.model.loader import resolve_device
+    from jllm.plan import check_limit, physical_memory, plan
 
+    # --mem-limit, or on a CPU the machine's memory: a context that cannot fit is refused before it is allocated
+    limit, what = a.mem_limit, "the memory limit"
+    if limit is None and str(resolve_device(a.device)) == "cpu":
+        limit, what = physical_memory(), "this machine's memory"
+    if limit is not None:
         check_limit(plan(str(resolve(a.model)), str(resolve(draft)) if draft else None, a.ctx_size, _precision(a)),
-                    a.mem_limit)
+                    limit, what)
     return Engine(str(resolve(a.model)), device=a.device, precision=a.precision, ctx_size=a.ctx_size,
                   threads=a.threads, kv_store_dir=kv_dir, kv_store_bytes=getattr(a, "cache_size", 1 << 30),
-                  draft_path=str(resolve(draft)) if draft else None, spec=_spec_config(a))
+                  draft_path=str(resolve(draft)) if draft else None, spec=spec)
+
+
+def _check_sizes(a: argparse.Namespace) -> None:
+    if a.ctx_size < 1:
+        raise JllmError(f"-c/--ctx-size must be at least 1 (got {a.ctx_size})")
+    if a.threads is not None and a.threads < 1:
+        raise JllmError(f"-t/--threads must be at least 1 (got {a.threads})")
 
 
 def _precision(a: argparse.Namespace) -> str:
@@ -88,6 +102,8 @@ def _spec_config(a: argparse.Namespace):
         raise JllmError(f"--spec {mode} needs a draft model (-md/--draft-model)")
     if a.draft_min < 1 or a.draft_max < a.draft_min:
         raise JllmError(f"need 1 <= --draft-min <= --draft-max (got {a.draft_min}, {a.draft_max})")
+    if not 0.0 <= a.draft_p_min <= 1.0:
+        raise JllmError(f"--draft-p-min must be between 0 and 1 (got {a.draft_p_min})")
     if not 0.0 <= a.draft_leaf_p <= 1.0:
         raise JllmError(f"--draft-leaf-p must be between 0 and 1 (got {a.draft_leaf_p})")
     return SpecConfig(mode=mode, draft_max=a.draft_max, draft_min=a.draft_min, p_min=a.draft_p_min,
@@ -381,6 +397,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
     from jllm.plan import check_limit, plan, print_plan
     from jllm.store import resolve
 
+    _check_sizes(a)
     rows = plan(str(resolve(a.model)), str(resolve(a.draft_model)) if a.draft_model else None, a.ctx_size,
                 _precision(a))
     print_plan(rows, a.ctx_size)

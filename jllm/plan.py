@@ -5,6 +5,7 @@ and draft at the context size, scratch, runtime, total. `--mem-limit` turns it i
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from jllm.errors import JllmError
@@ -100,10 +101,18 @@ def total_bytes(rows: list[Budget]) -> int:
     return sum(r.total for r in rows) + RUNTIME_BYTES
 
 
-def check_limit(rows: list[Budget], limit: int | None) -> None:
+def check_limit(rows: list[Budget], limit: int | None, what: str = "the memory limit") -> None:
     if limit is not None and total_bytes(rows) > limit:
-        raise JllmError(f"this configuration needs about {total_bytes(rows) / 2**30:.2f} GiB, over the memory "
-                        f"limit of {limit / 2**30:.2f} GiB (see `jllm plan`; lower -c/--ctx-size or drop the draft)")
+        raise JllmError(f"this configuration needs about {total_bytes(rows) / 2**30:.2f} GiB, over {what} "
+                        f"of {limit / 2**30:.2f} GiB (see `jllm plan`; lower -c/--ctx-size or drop the draft)")
+
+
+def physical_memory() -> int | None:
+    """Bytes of RAM this machine has (None where the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def print_plan(rows: list[Budget], ctx: int) -> None:

@@ -177,9 +177,19 @@ def test_bad_sampling_value(home):
     assert_user_error(jllm(home, "generate", "-m", "tiny.gguf", "-p", "hi", "--top-p", "0"), "top-p")
 
 
-def test_bad_draft_leaf_p(home):
-    assert_user_error(jllm(home, "generate", "-m", "tiny.gguf", "-p", "hi", "--spec", "ngram",
-                           "--draft-leaf-p", "2"), "--draft-leaf-p")
+@pytest.mark.parametrize("args, words", [
+    (["--spec", "ngram", "--draft-leaf-p", "2"], ["--draft-leaf-p"]),
+    (["--spec", "ngram", "--draft-p-min", "nan"], ["--draft-p-min"]),
+    (["-t", "0"], ["--threads"]),
+    (["-c", "0"], ["--ctx-size"]),
+    (["-c", "100000000000"], ["this machine's memory", "-c/--ctx-size"]),     # before allocating terabytes
+])
+def test_bad_sizes_and_spec_values(home, args, words):
+    assert_user_error(jllm(home, "generate", "-m", "tiny.gguf", "-p", "hi", *args), *words)
+
+
+def test_plan_refuses_a_context_size_below_one(home):
+    assert_user_error(jllm(home, "plan", "-m", "tiny.gguf", "-c", "-5"), "--ctx-size")
 
 
 # --------------------------------------------------------------------------------------------- success paths
