@@ -135,7 +135,10 @@ def _cache_dir(a: argparse.Namespace):
 
     from jllm.cache.conversations import default_cache_dir
 
-    return Path(a.cache_dir) if getattr(a, "cache_dir", None) else default_cache_dir()
+    d = Path(a.cache_dir) if getattr(a, "cache_dir", None) else default_cache_dir()
+    if d.exists() and not d.is_dir():
+        raise JllmError(f"the KV cache directory {d} is not a directory (--cache-dir, or JLLM_CACHE_DIR)")
+    return d
 
 
 def parse_size(text: str) -> int:
@@ -253,7 +256,11 @@ def cmd_chat(a: argparse.Namespace) -> int:
         if line.strip() in ("/exit", "/quit"):
             break
         if line.strip() == "/reset":
+            had = any(m["role"] == "user" for m in messages)
             messages[:] = messages[:1] if messages and messages[0]["role"] == "system" else []
+            if had and a.conversation:            # a named conversation's history is on disk: say what goes
+                print(f"(conversation {conv_id} starts over: its saved turns are replaced at the next reply)",
+                      file=sys.stderr)
             continue
         if not line.strip():
             continue

@@ -188,6 +188,12 @@ def test_bad_sizes_and_spec_values(home, args, words):
     assert_user_error(jllm(home, "generate", "-m", "tiny.gguf", "-p", "hi", *args), *words)
 
 
+def test_a_cache_dir_that_is_a_file(home):
+    (home / "afile").write_text("")
+    assert_user_error(jllm(home, "chat", "-m", "tiny.gguf", "-p", "hi", "--cache-dir", "afile", "--conversation",
+                           "c1"), "afile is not a directory")
+
+
 def test_plan_refuses_a_context_size_below_one(home):
     assert_user_error(jllm(home, "plan", "-m", "tiny.gguf", "-c", "-5"), "--ctx-size")
 
@@ -266,4 +272,14 @@ def test_bytes_that_are_not_utf8_are_read_as_replacement_characters(home):
     assert len(proc.stdout.split("> ")) == 4                    # two answers, then EOF
     saved = json.loads((home / "kv-utf8" / "conversations" / "bytes.json").read_text())
     assert [m["content"] for m in saved["messages"] if m["role"] != "assistant"] == ["\ufffd", "hi", "\ufffd\ufffd bad"]
+
+
+def test_reset_of_a_named_conversation_says_its_saved_turns_go(home):
+    kv = str(home / "kv-reset")
+    jllm(home, "chat", "-m", "tiny.gguf", "-n", "2", "--cache-dir", kv, "--conversation", "r", "-p", "first")
+    proc = jllm(home, "chat", "-m", "tiny.gguf", "-n", "2", "--cache-dir", kv, "--conversation", "r",
+                stdin="/reset\nsecond\n")
+    assert proc.returncode == 0 and "starts over" in proc.stderr, proc.stderr
+    saved = json.loads((home / "kv-reset" / "conversations" / "r.json").read_text())
+    assert [m["content"] for m in saved["messages"] if m["role"] == "user"] == ["second"]
 

@@ -446,3 +446,19 @@ def test_fingerprint_of_real_models_is_fast_and_distinct(real_model):
     big = model_fingerprint(g, "int8")
     assert time.perf_counter() - t0 < 0.5
     assert small != big
+
+
+# --- conversation histories (jllm/cache/conversations.py) -----------------------------------------------------
+
+@pytest.mark.parametrize("text", ["[]", '"hello"', "{}", '{"version": 1, "messages": [1, 2]}',
+                                  '{"version": 1, "messages": [{"content": "hi"}]}',
+                                  '{"version": 1, "messages": [{"role": "user", "content": 5}]}',
+                                  '{"version": 1, "messages": [{"role": "user", "content": null}]}',
+                                  '{"version": 2, "messages": []}', "{not json"])
+def test_a_conversation_file_in_another_shape_is_one_clear_error(tmp_path, text):
+    from jllm.cache.conversations import load_messages, save_messages
+    save_messages(tmp_path, "c", [{"role": "user", "content": "hi"}])
+    assert load_messages(tmp_path, "c") == [{"role": "user", "content": "hi"}]
+    (tmp_path / "conversations" / "c.json").write_text(text)
+    with pytest.raises(JllmError, match="jllm cache rm c"):
+        load_messages(tmp_path, "c")

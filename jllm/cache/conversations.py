@@ -38,10 +38,17 @@ def load_messages(cache_dir: Path, conv_id: str) -> list[dict]:
     except (OSError, ValueError) as e:
         raise JllmError(f"conversation file {path} is unreadable ({e}); remove it with "
                         f"`jllm cache rm {conv_id}` to start over") from None
-    messages = data.get("messages") if isinstance(data, dict) else None
-    if data.get("version") != VERSION or not isinstance(messages, list):
+    if not _well_formed(data):
         raise JllmError(f"conversation file {path} has an unknown format; remove it with `jllm cache rm {conv_id}`")
-    return messages
+    return data["messages"]
+
+
+def _well_formed(data) -> bool:
+    """{"version": VERSION, "messages": [{"role": str, "content": str}, ...]}, as save_messages writes it."""
+    if not isinstance(data, dict) or data.get("version") != VERSION or not isinstance(data.get("messages"), list):
+        return False
+    return all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+               for m in data["messages"])
 
 
 def save_messages(cache_dir: Path, conv_id: str, messages: list[dict]) -> None:
