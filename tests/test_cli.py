@@ -77,6 +77,13 @@ def patch_string_value(data: bytearray, key: str, new: str) -> None:
     data[pos + 12:pos + 12 + n] = new.encode()
 
 
+def patch_uint32_value(data: bytearray, key: str, new: int) -> None:
+    k = struct.pack("<Q", len(key)) + key.encode()
+    pos = data.index(k) + len(k)
+    assert struct.unpack_from("<I", data, pos)[0] == 4            # 4: uint32
+    struct.pack_into("<I", data, pos + 4, new)
+
+
 def patch_tensor_type(path: Path, data: bytearray, name: str, new: GGMLQuantizationType) -> None:
     """Overwrite the ggml type code of tensor `name` in its header record (name, ndim, dims, type, offset)."""
     g = read_gguf(path)
@@ -135,6 +142,19 @@ def test_unknown_architecture(home):
     assert read_gguf(home / name).architecture == "qwen9"
     assert_user_error(jllm(home, "generate", "-m", name, "-p", "hi"), "qwen9", "not supported")
     assert_user_error(jllm(home, "inspect", name), "qwen9", "not supported")
+
+
+@pytest.mark.parametrize("key, value, words", [
+    ("qwen2.attention.head_count", 0, ["metadata is inconsistent"]),
+    ("qwen2.attention.head_count_kv", 4, ["attn_k.weight", "does not match its tensors"]),
+    ("qwen2.embedding_length", 128, ["does not match its tensors"]),
+])
+def test_metadata_that_contradicts_the_tensors(home, key, value, words):
+    data = bytearray((home / "tiny.gguf").read_bytes())
+    patch_uint32_value(data, key, value)
+    name = derived(home, f"meta-{value}-{key.rsplit('.', 1)[1]}.gguf", data)
+    assert_user_error(jllm(home, "generate", "-m", name, "-p", "hi", "-n", "1"), *words)
+    assert_user_error(jllm(home, "generate", "-m", "tiny.gguf", "-md", name, "-p", "hi", "-n", "1"), *words)
 
 
 def test_unsupported_tensor_type(home):

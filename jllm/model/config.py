@@ -79,6 +79,9 @@ def config_from_gguf(metadata: dict[str, Any], tensor_names: set[str], source: s
     n_heads = int(get("attention.head_count"))
     n_kv = get("attention.head_count_kv", n_heads)
     n_kv = int(n_kv[0] if isinstance(n_kv, list) else n_kv)
+    if min(hidden, n_heads, n_kv, int(get("block_count"))) < 1 or n_heads % n_kv:
+        raise JllmError(f"{source}: GGUF metadata is inconsistent (embedding_length {hidden}, head_count "
+                        f"{n_heads}, head_count_kv {n_kv}, block_count {get('block_count')})")
     head_dim = int(metadata.get(f"{arch}.attention.key_length", hidden // n_heads))
     ffn = get("feed_forward_length")
     ffn = int(ffn[0] if isinstance(ffn, list) else ffn)
@@ -110,3 +113,21 @@ def config_from_gguf(metadata: dict[str, Any], tensor_names: set[str], source: s
         tied_embeddings="output.weight" not in tensor_names,
         name=str(metadata.get("general.name", "")),
     )
+
+
+def check_shapes(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], source: str = "model") -> None:
+    """That the tensors have the shapes the metadata implies ([rows, columns] = [out, in] features)."""
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    want = {"token_embd.weight": (None, cfg.hidden)}
+    for i in range(cfg.n_layers):
+        want.update({f"blk.{i}.attn_q.weight": (q, cfg.hidden), f"blk.{i}.attn_k.weight": (kv, cfg.hidden),
+                     f"blk.{i}.attn_v.weight": (kv, cfg.hidden), f"blk.{i}.attn_output.weight": (cfg.hidden, q),
+                     f"blk.{i}.ffn_gate.weight": (cfg.ffn, cfg.hidden), f"blk.{i}.ffn_up.weight": (cfg.ffn, cfg.hidden),
+                     f"blk.{i}.ffn_down.weight": (cfg.hidden, cfg.ffn)})
+    for name, (rows, cols) in want.items():
+        shape = shapes.get(name)
+        if shape is not None and (len(shape) != 2 or shape[1] != cols or rows is not None and shape[0] != rows):
+            raise JllmError(f"{source}: tensor {name} is {list(shape)}, but the metadata implies "
+                            f"{[rows if rows is not None else shape[0], cols]}; the file's metadata does not "
+                            f"match its tensors")
+

@@ -8,7 +8,7 @@ import torch
 
 from jllm.errors import JllmError
 from jllm.gguf.reader import GGUFFile, read_gguf
-from jllm.model.config import config_from_gguf
+from jllm.model.config import check_shapes, config_from_gguf
 from jllm.model.transformer import Transformer
 from jllm.model.weights import load_weights
 
@@ -40,6 +40,7 @@ def load_model(path: str | os.PathLike | GGUFFile, device: str | torch.device | 
     output_rows: compute logits only for token ids below this (a draft model's frequent-token subset)."""
     gguf = path if isinstance(path, GGUFFile) else read_gguf(path)
     cfg = config_from_gguf(gguf.metadata, set(gguf.tensors), source=str(gguf.path))
+    check_shapes(cfg, {n: tuple(t.shape) for n, t in gguf.tensors.items()}, str(gguf.path))
     dev = resolve_device(device)
     weights = load_weights(gguf, cfg, precision or default_precision(dev), dev, cache_weights, output_rows)
     model = Transformer(cfg, weights, dev, max_positions or cfg.context_length)
