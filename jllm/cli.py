@@ -322,6 +322,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     from jllm.server import create_app
 
+    sock = _listen(a.host, a.port)              # before the model loads: a taken port fails at once
     eng = _engine(a, kv_cache=not a.no_kv_cache)
     path = eng.gguf.path
     name = a.model if a.model in ALIASES else path.stem
@@ -336,10 +337,30 @@ def cmd_serve(a: argparse.Namespace) -> int:
         server_log.propagate = False
     cache = f"KV cache {eng.kv_store.dir}" if eng.kv_store is not None else "no persistent KV cache"
     spec = f"speculation {eng.spec.mode}" if eng.spec is not None else "no speculation"
-    print(f"jllm serve: {name} at http://{a.host}:{a.port}/v1 ({cache}, {spec}"
+    port = sock.getsockname()[1]
+    print(f"jllm serve: {name} at http://{a.host}:{port}/v1 ({cache}, {spec}"
           f"{', API key required' if a.api_key else ''}); Ctrl-C stops", file=sys.stderr)
-    uvicorn.run(app, host=a.host, port=a.port, log_level="info")
+    try:
+        uvicorn.Server(uvicorn.Config(app, log_level="info")).run(sockets=[sock])
+    except KeyboardInterrupt:                   # uvicorn re-raises Ctrl-C once it has shut down
+        pass
     return 0
+
+
+def _listen(host: str, port: int):
+    """A listening TCP socket on host:port, or a one-line error (unknown host, port taken, no permission)."""
+    import socket
+
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as e:
+        raise JllmError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def cmd_models(a: argparse.Namespace) -> int:

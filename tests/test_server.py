@@ -329,6 +329,12 @@ def test_jllm_serve_command(srv, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+        s.listen()
+        for host, p in (("127.0.0.1", port), ("999.1.1.1", 0)):      # a taken port, a host that is none
+            bad = subprocess.run([sys.executable, "-m", "jllm", "serve", "-m", str(srv.path), "--host", host,
+                                  "--port", str(p)], env=env, capture_output=True, text=True, timeout=60)
+            lines = bad.stderr.strip().splitlines()
+            assert bad.returncode == 1 and len(lines) == 1 and lines[0].startswith(f"jllm: cannot listen on {host}")
     proc = subprocess.Popen([sys.executable, "-m", "jllm", "serve", "-m", str(srv.path), "--port", str(port),
                              "-c", "512", "-t", "1", "--api-key", "k2"], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
