@@ -57,16 +57,11 @@ def _engine(a: argparse.Namespace, kv_cache: bool = False):
     _check_sizes(a)
     spec = _spec_config(a)
     draft = getattr(a, "draft_model", None) if spec is None or spec.mode != "none" else None   # --spec none: unused
-    from jllm.model.loader import resolve_device
-    from jllm.plan import check_limit, physical_memory, plan
+    if a.mem_limit is not None:                 # (the machine's own memory the engine checks itself)
+        from jllm.plan import check_limit, plan
 
-    # --mem-limit, or on a CPU the machine's memory: a context that cannot fit is refused before it is allocated
-    limit, what = a.mem_limit, "the memory limit"
-    if limit is None and str(resolve_device(a.device)) == "cpu":
-        limit, what = physical_memory(), "this machine's memory"
-    if limit is not None:
         check_limit(plan(str(resolve(a.model)), str(resolve(draft)) if draft else None, a.ctx_size, _precision(a)),
-                    limit, what)
+                    a.mem_limit)
     return Engine(str(resolve(a.model)), device=a.device, precision=a.precision, ctx_size=a.ctx_size,
                   threads=a.threads, kv_store_dir=kv_dir, kv_store_bytes=getattr(a, "cache_size", 1 << 30),
                   draft_path=str(resolve(draft)) if draft else None, spec=spec)

@@ -85,6 +85,8 @@ class Engine:
         self.chat_template = ChatTemplate.from_metadata(self.gguf.metadata, self.tokenizer)
         self.precision = precision or default_precision(self.device)
         draft_gguf = self._check_draft(draft_path) if draft_path is not None else None   # fail before loading
+        if self.device.type == "cpu":
+            self._check_memory(draft_gguf, spec, ctx_size)
         self.model = load_model(self.gguf, self.device, self.precision, max_positions=ctx_size)
         self.ctx_size = ctx_size
         self.cache = self.model.new_cache(ctx_size)
@@ -120,6 +122,16 @@ class Engine:
         dg = read_gguf(draft_path)
         check_compatible(self.gguf.metadata, dg.metadata, self.gguf.path.name, dg.path.name)
         return dg
+
+    def _check_memory(self, draft_gguf, spec, ctx_size: int) -> None:
+        """Refuse, before allocating, a configuration that needs more than this machine's RAM (a context of
+        millions of tokens would otherwise end in the OOM killer, or in a traceback for an impossible size)."""
+        from jllm.plan import check_limit, physical_memory, plan
+        from jllm.spec.decode import SpecConfig
+
+        spec = spec or SpecConfig()
+        rows = plan(self.gguf, draft_gguf, ctx_size, self.precision, spec.draft_precision, spec.draft_vocab or None)
+        check_limit(rows, physical_memory(), "this machine's memory")
 
     def _load_draft(self, dg, spec) -> None:
         from jllm.spec.decode import DraftRunner, SpecConfig, draft_precision_for

@@ -86,13 +86,15 @@ def _native_weights(g: GGUFFile, cfg, output_rows: int | None, all_four: bool = 
     return total + fused([output_matrix(cfg)], output_rows)
 
 
-def plan(target: str, draft: str | None, ctx: int, precision: str, draft_precision: str = "auto",
-         draft_vocab: int | None = DRAFT_VOCAB) -> list[Budget]:
+def plan(target: str | GGUFFile, draft: str | GGUFFile | None, ctx: int, precision: str,
+         draft_precision: str = "auto", draft_vocab: int | None = DRAFT_VOCAB) -> list[Budget]:
+    """Budgets of the target and the draft (paths, or files already read)."""
     from jllm.spec.decode import draft_precision_for
 
-    rows = [model_budget(read_gguf(target), precision, ctx)]
+    read = lambda f: f if isinstance(f, GGUFFile) else read_gguf(f)      # noqa: E731
+    rows = [model_budget(read(target), precision, ctx)]
     if draft:
-        rows.append(model_budget(read_gguf(draft), draft_precision_for(precision, draft_precision), ctx,
+        rows.append(model_budget(read(draft), draft_precision_for(precision, draft_precision), ctx,
                                  output_rows=draft_vocab))
     return rows
 
