@@ -346,6 +346,7 @@ def _listen(host: str, port: int):
     """A listening TCP socket on host:port, or a one-line error (unknown host, port taken, no permission)."""
     import socket
 
+    sock = None
     try:
         family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         sock = socket.socket(family, kind, proto)
@@ -353,6 +354,8 @@ def _listen(host: str, port: int):
         sock.bind(addr)
         sock.listen(2048)
     except OSError as e:
+        if sock is not None:
+            sock.close()
         raise JllmError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     sock.set_inheritable(True)
     return sock
