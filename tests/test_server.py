@@ -145,6 +145,12 @@ def test_completions(srv):
                                             stop=[want.text[3:6]])
     assert stopped.choices[0].text == want.text[:want.text.index(want.text[3:6])]
     assert stopped.choices[0].finish_reason == "stop"
+    for extra in ({"suffix": "end"}, {"best_of": 3}, {"echo": True}, {"logprobs": 2}):   # would change the
+        r = srv.http.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(extra)), r.text   # answer
+    for neutral in ({"suffix": ""}, {"best_of": 1}):
+        assert srv.http.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2,
+                                                      **neutral}).status_code == 200
 
 
 def test_sampled_requests_repeat_with_a_seed(srv):

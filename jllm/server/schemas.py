@@ -113,6 +113,8 @@ class CompletionRequest(_Completion):
     prompt: str | list[int]
     logprobs: int | None = None
     echo: bool = False
+    suffix: str | None = None                    # insertion: not supported
+    best_of: int | None = None                   # several candidates, the best returned: not supported
 
     @field_validator("prompt")
     @classmethod
@@ -121,9 +123,16 @@ class CompletionRequest(_Completion):
             raise ValueError("the prompt is empty")
         return _well_formed(v)
 
-    @field_validator("logprobs", "echo")
+    @field_validator("logprobs", "echo", "suffix")
     @classmethod
     def _unsupported(cls, v, info):
         if v:
             raise ValueError(f"{info.field_name} is not supported")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _one_candidate(cls, v):
+        if v is not None and v != 1:
+            raise ValueError("only best_of=1 is supported (one candidate per request)")
         return v
