@@ -276,6 +276,13 @@ def cmd_cache(a: argparse.Namespace) -> int:
     from jllm.cache.store import KVStore, check_conversation_id
 
     cache_dir = _cache_dir(a)
+    if a.action == "rm" and not a.ids:
+        raise JllmError("usage: jllm cache rm ID [ID ...]")
+    if not cache_dir.exists():                  # looking must not create it
+        for conv in a.ids if a.action == "rm" else []:
+            check_conversation_id(conv)
+        print(f"no KV cache at {cache_dir} (nothing stored yet)")
+        return 0
     store = KVStore(cache_dir, max_bytes=a.cache_size)
     if a.action == "ls":
         rows = store.entries()
@@ -288,8 +295,6 @@ def cmd_cache(a: argparse.Namespace) -> int:
         if only_msgs:
             print(f"conversations without a cached KV state: {', '.join(only_msgs)}")
     elif a.action == "rm":
-        if not a.ids:
-            raise JllmError("usage: jllm cache rm ID [ID ...]")
         for conv in a.ids:
             check_conversation_id(conv)
             found = store.remove(conv) | remove_messages(cache_dir, conv)

@@ -303,3 +303,10 @@ def test_reset_of_a_named_conversation_says_its_saved_turns_go(home):
     saved = json.loads((home / "kv-reset" / "conversations" / "r.json").read_text())
     assert [m["content"] for m in saved["messages"] if m["role"] == "user"] == ["second"]
 
+
+@pytest.mark.parametrize("action", [["ls"], ["stats"], ["clear"], ["rm", "c1"]])
+def test_cache_commands_on_a_missing_directory_create_nothing(home, action):
+    proc = jllm(home, "cache", *action, "--cache-dir", "no-such-dir")
+    assert proc.returncode == 0 and "no KV cache at no-such-dir" in proc.stdout, proc.stderr
+    assert not (home / "no-such-dir").exists()
+
