@@ -402,7 +402,6 @@ class KVStore:
             self.warn(f"KV state '{name}' ({size / 2**20:.1f} MiB) is larger than the whole KV cache "
                       f"({self.max_bytes / 2**20:.1f} MiB); not saved")
             return None
-        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)   # removed since we started: make it again
         with self._locked():
             self._remove_temps()
             self._evict(name, size)
@@ -470,6 +469,7 @@ class KVStore:
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
+        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)   # removed since we started: make it again
         fd = os.open(self.dir / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
@@ -481,7 +481,7 @@ class KVStore:
 
     def _scan(self) -> list[tuple[str, os.stat_result]]:
         """(name, lstat) of every regular `.kv` file whose name is a valid id; symlinks are not entries. A
-        directory removed under a running server holds none (save() makes it again)."""
+        directory removed under a running server holds none (the next locked write makes it again)."""
         rows = []
         try:
             listing = list(os.scandir(self.dir))
@@ -531,7 +531,6 @@ class KVStore:
 
     def clear(self) -> int:
         """Remove every entry (of any models) and dead writers' temp files; returns the number of entries."""
-        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)   # removed since we started: make it again
         with self._locked():
             self._remove_temps()
             names = [name for name, _ in self._scan()]

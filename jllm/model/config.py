@@ -79,9 +79,10 @@ def config_from_gguf(metadata: dict[str, Any], tensor_names: set[str], source: s
     n_heads = int(get("attention.head_count"))
     n_kv = get("attention.head_count_kv", n_heads)
     n_kv = int(n_kv[0] if isinstance(n_kv, list) else n_kv)
-    if min(hidden, n_heads, n_kv, int(get("block_count"))) < 1 or n_heads % n_kv:
+    n_layers = int(get("block_count"))
+    if min(hidden, n_heads, n_kv, n_layers) < 1 or n_heads % n_kv:
         raise JllmError(f"{source}: GGUF metadata is inconsistent (embedding_length {hidden}, head_count "
-                        f"{n_heads}, head_count_kv {n_kv}, block_count {get('block_count')})")
+                        f"{n_heads}, head_count_kv {n_kv}, block_count {n_layers})")
     head_dim = int(metadata.get(f"{arch}.attention.key_length", hidden // n_heads))
     ffn = get("feed_forward_length")
     ffn = int(ffn[0] if isinstance(ffn, list) else ffn)
@@ -96,7 +97,7 @@ def config_from_gguf(metadata: dict[str, Any], tensor_names: set[str], source: s
     return ModelConfig(
         arch=arch,
         traits=traits,
-        n_layers=int(get("block_count")),
+        n_layers=n_layers,
         hidden=hidden,
         ffn=ffn,
         n_heads=n_heads,
@@ -130,4 +131,3 @@ def check_shapes(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], source: s
             raise JllmError(f"{source}: tensor {name} is {list(shape)}, but the metadata implies "
                             f"{[rows if rows is not None else shape[0], cols]}; the file's metadata does not "
                             f"match its tensors")
-

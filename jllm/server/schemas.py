@@ -12,7 +12,6 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from jllm.sampling import SamplingParams
-from jllm.tokenizer.unicode import well_formed
 
 
 class _Body(BaseModel):
@@ -70,24 +69,14 @@ class _Completion(_Body):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-def _well_formed(v):
-    """Text with lone surrogates (a JSON "\\ud800") as U+FFFD, so the tokenizer and the stored conversation
-    take it."""
-    return well_formed(v) if isinstance(v, str) else v
-
-
 class ContentPart(_Body):
     type: Literal["text"]
     text: str
-
-    _text = field_validator("text")(_well_formed)
 
 
 class Message(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
-
-    _content = field_validator("content")(_well_formed)
 
     def for_template(self) -> dict:
         """{"role", "content": str}: text parts joined; OpenAI's "developer" is the templates' "system"."""
@@ -121,7 +110,7 @@ class CompletionRequest(_Completion):
     def _not_empty(cls, v):
         if len(v) == 0:
             raise ValueError("the prompt is empty")
-        return _well_formed(v)
+        return v
 
     @field_validator("logprobs", "echo", "suffix")
     @classmethod

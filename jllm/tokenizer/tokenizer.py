@@ -18,8 +18,8 @@ from typing import Iterable
 from jllm.errors import JllmError
 from jllm.tokenizer.bpe import BpeEncoder, piece_bytes
 from jllm.tokenizer.specials import SpecialSplitter
-from jllm.tokenizer.unicode import well_formed
 from jllm.tokenizer.spm import SPACE, SpmEncoder
+from jllm.tokenizer.unicode import well_formed
 from jllm.tokenizer.vocab import BYTE, CONTROL, NORMAL, UNKNOWN, USER_DEFINED, Vocab
 
 SUPPORTED_MODELS = ("gpt2", "llama")
@@ -153,4 +153,3 @@ class Tokenizer:
     def __repr__(self) -> str:
         return (f"Tokenizer({self.vocab.model}/{self.vocab.pre}, {self.vocab_size} tokens, "
                 f"bos={self.bos_id}, eos={self.eos_id}, end={sorted(self.eot_ids)})")
-
