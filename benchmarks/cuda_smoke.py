@@ -12,7 +12,7 @@ from pathlib import Path
 
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "tests")]       # runs from a checkout, installed or not
+sys.path[:0] = [str(REPO / "src"), str(REPO / "tests")]       # runs from a checkout, installed or not
 
 from cuda_checks import cuda_vs_cpu_exact  # noqa: E402
 

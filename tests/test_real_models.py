@@ -1,4 +1,4 @@
-"""The four real models against llama.cpp's greedy fixtures (../shared/reference), on the default fast path.
+"""The four real models against llama.cpp's greedy fixtures (tests/fixtures), on the default fast path.
 
 Teacher-forced: each fixture's prompt plus its first 32 generated tokens go through one forward pass, and at
 every step our top-1 must be llama.cpp's token on >= 95 % of the steps; where it differs, the reference token

@@ -143,7 +143,7 @@ def test_concurrent_pulls_make_one_good_file(wheelhouse):
               "from jllm.store import ModelSpec, pull\n"
               "d = json.loads(sys.argv[1]); d['parts'] = tuple(map(tuple, d['parts']))\n"
               "print(pull(ModelSpec(**d), progress=False))\n")
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     procs = [subprocess.Popen([sys.executable, "-c", script, args], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
     results = [p.communicate(timeout=120) for p in procs]
