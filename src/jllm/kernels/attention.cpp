@@ -20,7 +20,6 @@
 // The cache holds keys and values in f32 or f16 (half the bytes to read per step; converted to f32 on load,
 // exactly, so the arithmetic is the same).
 
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 

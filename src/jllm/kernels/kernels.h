@@ -3,9 +3,25 @@
 // the native layer stack (layers.cpp), which runs a whole forward pass without allocating.
 #pragma once
 
-#include <torch/extension.h>
+// ATen's tensor and parallel headers only, not <torch/extension.h>: that one costs ~35 s of compile time per
+// source file, these ~2 s. The Python binding headers are included where the bindings are (qgemm.cpp,
+// layers.cpp).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 
 #include <cstdint>
+#include <tuple>
+#include <vector>
+
+namespace torch {                           // the names torch/extension.h would give (torch/types.h)
+using namespace at;
+constexpr auto kUInt8 = at::kByte;
+constexpr auto kInt64 = at::kLong;
+constexpr auto kFloat32 = at::kFloat;
+}
+namespace pybind11 { class module_; using module = module_; }
 
 // A packed matrix's tiles (jllm/model/qlinear.py), checked once by qview.
 struct QView {

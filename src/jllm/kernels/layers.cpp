@@ -7,7 +7,7 @@
 // and the Python between them and the output layer another 0.1 ms, cold after the weights' stream.
 // The GIL is released for the whole pass; a mutex keeps two callers of one stack apart.
 
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include "kernels.h"
 

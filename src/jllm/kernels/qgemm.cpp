@@ -27,7 +27,7 @@
 // batch-invariant by construction (integer sums are exact; float sums run over blocks in a fixed order).
 // The weights of a group of tiles are read once from memory and reused from cache for all rows.
 
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 

@@ -2,7 +2,6 @@
 // (F.rms_norm on CPU runs pow, mean, add, rsqrt, mul, ... : ~27 us a call, 49 calls per token of the 0.5B).
 // Every row is computed alone, in a fixed order, so results do not depend on how many rows a call holds.
 
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 

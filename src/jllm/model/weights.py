@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import sys
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -274,6 +275,7 @@ def load_weights(gguf: GGUFFile, cfg: ModelConfig, precision: str, device: torch
     """use_cache: read int8 matrices converted by an earlier load, or save them for the next one."""
     b = _Builder(gguf, precision, device, use_cache)
     layers = []
+    progress = _conversion_progress(gguf, precision, b, cfg.n_layers + 1)
     packing = ThreadPoolExecutor(max_workers=2, thread_name_prefix="jllm-pack")
     pending: deque = deque()
     for i in range(cfg.n_layers):
@@ -296,6 +298,7 @@ def load_weights(gguf: GGUFFile, cfg: ModelConfig, precision: str, device: torch
         while len(pending) > 8:              # bound the unpacked int8 copies held at once
             pending.popleft().result()
         _release_memory(collect=False)
+        progress.update()
     output_name = output_matrix(cfg)
     weights = Weights(
         embed=Embedding(gguf, "token_embd.weight", device),
@@ -308,6 +311,8 @@ def load_weights(gguf: GGUFFile, cfg: ModelConfig, precision: str, device: torch
     for f in pending:
         f.result()
     packing.shutdown()
+    progress.update()
+    progress.close()
     if b.writer is not None:
         try:
             b.writer.commit()
@@ -315,6 +320,19 @@ def load_weights(gguf: GGUFFile, cfg: ModelConfig, precision: str, device: torch
             pass                                     # no room for the cache: next load converts again
     _release_memory()
     return weights
+
+
+def _conversion_progress(gguf: GGUFFile, precision: str, b: _Builder, steps: int):
+    """A progress bar over the layers while the weights are converted (tens of seconds for the 1.5B on the
+    first load; later loads read the converted file in about a second and show nothing). One plain line
+    where stderr is not a terminal."""
+    from tqdm import tqdm
+
+    converting = precision in CONVERTED and b.reader is None
+    if converting and not sys.stderr.isatty():
+        print(f"jllm: converting {gguf.path.name} for this CPU ({precision}; once)...", file=sys.stderr, flush=True)
+    return tqdm(total=steps, desc=f"jllm: converting {gguf.path.name} (once)", unit="layer", file=sys.stderr,
+                leave=False, disable=not (converting and sys.stderr.isatty()))
 
 
 def native_supported() -> bool:

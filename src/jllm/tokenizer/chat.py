@@ -114,6 +114,11 @@ class ChatTemplate:
             raise JllmError(f"no built-in chat template '{name}' (known: {', '.join(BUILTIN)})")
         return cls(BUILTIN[name], origin=f"the built-in '{name}' chat template", **kwargs)
 
+    @property
+    def builtin(self) -> bool:
+        """Whether this is jllm's fallback template: the GGUF carried none, which is how base models come."""
+        return self.origin.startswith("the built-in")
+
     def render(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
         """The prompt text for `messages`; `extra` variables (tools=..., enable_thinking=...) reach the template."""
         context = {"bos_token": self.bos_token, "eos_token": self.eos_token, **extra,
