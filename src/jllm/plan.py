@@ -105,8 +105,9 @@ def total_bytes(rows: list[Budget]) -> int:
 
 def check_limit(rows: list[Budget], limit: int | None, what: str = "the memory limit") -> None:
     if limit is not None and total_bytes(rows) > limit:
+        fixes = "lower -c/--ctx-size" + (" or drop the draft" if len(rows) > 1 else "")
         raise JllmError(f"this configuration needs about {total_bytes(rows) / 2**30:.2f} GiB, over {what} "
-                        f"of {limit / 2**30:.2f} GiB (see `jllm plan`; lower -c/--ctx-size or drop the draft)")
+                        f"of {limit / 2**30:.2f} GiB (see `jllm plan`; {fixes})")
 
 
 def physical_memory() -> int | None:

@@ -202,9 +202,12 @@ async def _parse(request: Request, model: type[BaseModel]):
         raise APIError(400, f"{param}: {msg}" if param else msg, param=param) from None
 
 
-def create_app(engine, model_name: str, api_key: str | None = None, aliases: Iterable[str] = ()) -> FastAPI:
-    """The app serving `engine` as `model_name`; requests may also name it by an alias or "default".
-    With api_key, /v1/* and /metrics need `Authorization: Bearer <api_key>`."""
+def create_app(engine, model_name: str, api_key: str | None = None, aliases: Iterable[str] = (),
+               strict_model: bool = False) -> FastAPI:
+    """The app serving `engine` as `model_name`. A request's `model` may be any name, as with llama-server (a
+    client written for another API sends its own, "gpt-4o" say); replies carry the served name. With
+    strict_model, only `model_name`, an alias or "default" is taken, others get a 404. With api_key, /v1/*
+    and /metrics need `Authorization: Bearer <api_key>`."""
     metrics = Metrics()
     worker = Worker(engine, metrics)
     names = {model_name, "default", *aliases}
@@ -239,8 +242,8 @@ def create_app(engine, model_name: str, api_key: str | None = None, aliases: Ite
 
     auth = [Depends(authorize)]
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name not in names:
+    def check_model(name: str | None, strict: bool = strict_model) -> None:
+        if strict and name is not None and name not in names:
             raise APIError(404, f"model {name!r} is not served here; this server serves {model_name!r}",
                            param="model", code="model_not_found")
 
@@ -261,7 +264,7 @@ def create_app(engine, model_name: str, api_key: str | None = None, aliases: Ite
         pending = _Pending(request)
         pending.job = Job(make_ids, params, conversation(req.prompt_cache_key), pending.emit)
         worker.submit(pending.job)
-        reply = _Reply(chat, req.model or model_name)
+        reply = _Reply(chat, model_name)
         prompt_field = "messages" if chat else "prompt"
         try:
             first = await pending.next()
@@ -343,7 +346,7 @@ def create_app(engine, model_name: str, api_key: str | None = None, aliases: Ite
 
     @app.get("/v1/models/{name:path}", dependencies=auth)
     async def model(name: str):
-        check_model(name)
+        check_model(name, strict=True)                # a lookup by name answers for the served names only
         return model_card()
 
     @app.get("/health")
