@@ -380,7 +380,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     path = eng.gguf.path
     name = a.model if a.model in ALIASES else path.stem
     aliases = {a.model, path.name, path.stem, eng.model.cfg.name or path.stem}
-    app = create_app(eng, name, api_key=a.api_key, aliases=aliases)
+    app = create_app(eng, name, api_key=a.api_key, aliases=aliases, strict_model=a.strict_model)
     server_log = logging.getLogger("jllm.server")
     if not server_log.handlers:
         handler = logging.StreamHandler(sys.stderr)
@@ -528,6 +528,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="require `Authorization: Bearer KEY` on /v1/* and /metrics (default: $JLLM_API_KEY)")
     sv.add_argument("--no-kv-cache", action="store_true", help="no persistent KV cache (in-memory prefix "
                     "reuse only)")
+    sv.add_argument("--strict-model", action="store_true", help="refuse requests whose `model` is not this "
+                    "model's alias, file name or \"default\" (by default any name is served by the loaded model)")
     sv.set_defaults(func=cmd_serve)
 
     k = sub.add_parser("cache", help="the persistent KV cache: ls | rm ID | clear | stats")
@@ -579,12 +581,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--conversations", type=int, default=3, help="conversations for --multiturn")
     b.add_argument("--first-tokens", type=int, default=1500, help="tokens in the first message (--multiturn)")
     b.set_defaults(func=cmd_bench)
+    ap.subcommands = sub.choices
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
-    args = ap.parse_args(argv)
+    args, extra = ap.parse_known_args(argv)
+    if extra:                                      # name the subcommand's own usage, not the top level's
+        ap.subcommands[args.cmd].error(f"unrecognized arguments: {' '.join(extra)}")
     for name in ("prompt", "system"):              # bytes that are not UTF-8 arrive as lone surrogates
         if isinstance(getattr(args, name, None), str):
             setattr(args, name, well_formed(getattr(args, name)))
