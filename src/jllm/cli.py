@@ -599,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jllm: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(file=sys.stderr)
+        print("\njllm: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         return 0

@@ -164,7 +164,11 @@ def pull(alias: str | ModelSpec, progress: bool = True, force: bool = False) -> 
         if not force and final.is_file() and _adopt(spec, final):
             return final
         _check_free_space(spec, root)
-        _assemble(spec, root, final, progress)
+        try:
+            _assemble(spec, root, final, progress)
+        except KeyboardInterrupt:
+            raise JllmError(f"download of {spec.alias} interrupted; its partial file was removed "
+                            f"(`jllm models pull {spec.alias}` starts it again)") from None
     return final
 
 

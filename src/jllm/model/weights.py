@@ -328,7 +328,7 @@ def _conversion_progress(gguf: GGUFFile, precision: str, b: _Builder, steps: int
     where stderr is not a terminal."""
     from tqdm import tqdm
 
-    converting = precision in CONVERTED and b.reader is None
+    converting = precision in CONVERTED and b.reader is None and gguf.path.stat().st_size > 64 << 20  # ~1 s+
     if converting and not sys.stderr.isatty():
         print(f"jllm: converting {gguf.path.name} for this CPU ({precision}; once)...", file=sys.stderr, flush=True)
     return tqdm(total=steps, desc=f"jllm: converting {gguf.path.name} (once)", unit="layer", file=sys.stderr,
