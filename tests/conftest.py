@@ -20,6 +20,15 @@ REFERENCE_FILES = {
 ALL_MODELS = list(REFERENCE_FILES)
 
 
+@pytest.hookimpl(tryfirst=True)                  # before `-m` deselects by marker
+def pytest_collection_modifyitems(items):
+    """Every test that uses a real model (the real_model fixture, directly or through another fixture) is
+    marked slow, so `-m "not slow"` downloads nothing."""
+    for item in items:
+        if "real_model" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def native_kernels():
     """Build the native CPU kernels once, up front (~25 s on a fresh machine), so no test's output carries
