@@ -191,8 +191,11 @@ def test_cap_holds_before_the_new_file_is_renamed_in(tmp_path, monkeypatch):
         store.save("e2", state)
     assert [e["name"] for e in store.entries()] == ["e1"]          # room was made first
     with pytest.raises(KeyboardInterrupt):
-        store.save("e1", make_state(list(range(25))))              # replacing: room for the larger of both
-    assert sorted(os.listdir(tmp_path)) == [".lock", "e1.kv"] and store.stats()["bytes"] <= cap
+        store.save("e1", state)                # rewriting: the old entry and the new file both fit
+    assert sorted(os.listdir(tmp_path)) == [".lock", "e1.kv"]
+    with pytest.raises(KeyboardInterrupt):
+        store.save("e1", make_state(list(range(25))))              # they do not fit together: the old goes
+    assert sorted(os.listdir(tmp_path)) == [".lock"]
 
 
 def test_foreign_entries_count_toward_the_cap(tmp_path):
@@ -259,24 +262,47 @@ def test_foreign_file_skipped_by_lookup_refused_by_load(tmp_path, warns):
     KVStore(tmp_path, target_fingerprint="other", draft_fingerprint="D").save("c", state)
     KVStore(tmp_path, target_fingerprint="T", draft_fingerprint="D2").save("d", state)
     store = KVStore(tmp_path, target_fingerprint="T", draft_fingerprint="D", warn=warns)
-    assert store.lookup(state.tokens, "c") == (None, 0)
     assert store.lookup(state.tokens, None) == (None, 0)
-    assert (tmp_path / "c.kv").exists() and warns == []             # someone else's: left alone
+    assert (tmp_path / "c.kv").exists() and warns == []             # found by prefix: someone else's, left alone
+    assert store.lookup(state.tokens, "c") == (None, 0)              # under its own id: reported, once
+    assert store.lookup(state.tokens, "c") == (None, 0)
+    assert len(warns) == 1 and "c.kv was written for other models (target other, draft D)" in warns[0]
+    assert "replaces it" in warns[0]
     rows = {e["name"]: e for e in store.entries()}
     assert not rows["c"]["target_match"] and rows["d"]["target_match"] and not rows["d"]["draft_match"]
-    assert store.load("c", 10) is None
-    assert len(warns) == 1 and "other models" in warns[0] and not (tmp_path / "c.kv").exists()
+    store.save("c", state)                                           # and replaced by this conversation's state
+    assert_same(store.load("c", 10), state, 10)
+    assert len(warns) == 1
+    store.lookup(state.tokens, "d")
+    assert store.load("d", 10) is None                               # load refuses (and removes) a foreign one
+    assert len(warns) == 2 and "other models" in warns[1] and not (tmp_path / "d.kv").exists()
 
 
-def test_directory_or_fifo_named_like_an_entry_is_ignored(store, warns):
+def test_a_directory_or_fifo_at_an_entry_path_is_reported_once_and_removed(store, warns):
     (store.dir / "d.kv").mkdir()
     os.mkfifo(store.dir / "f.kv")
-    assert store.lookup([1], None) == (None, 0) and store.entries() == []
-    assert store.load("d", 1) is None and store.load("f", 1) is None        # without blocking on the fifo
-    assert len(warns) == 2 and (store.dir / "d.kv").is_dir() and not (store.dir / "f.kv").exists()
-    with pytest.raises(OSError):                                             # the engine reports and goes on
-        store.save("d", make_state([1]))
-    assert store.clear() == 0 and sorted(os.listdir(store.dir)) == [".lock", "d.kv"]
+    assert store.lookup([1], None) == (None, 0) and store.entries() == [] and warns == []   # not entries
+    for _ in range(2):
+        assert store.lookup([1], "d") == (None, 0) and store.load("f", 1) is None   # without blocking on the fifo
+    assert len(warns) == 2 and "d.kv is a directory; removed it" in warns[0], warns
+    assert "f.kv is not a regular file; removed it" in warns[1]
+    assert sorted(os.listdir(store.dir)) == [".lock"]
+    store.save("d", make_state([1]))                                 # the conversation is cached again
+    assert_same(store.load("d", 1), make_state([1]), 1) and len(warns) == 2
+
+
+def test_a_directory_that_is_not_empty_is_reported_once_and_left_uncached(store, warns):
+    (store.dir / "d.kv" / "keep").mkdir(parents=True)
+    for _ in range(3):                                               # every turn of this process
+        assert store.lookup([1], "d") == (None, 0)
+        assert store.save("d", make_state([1])) is None
+    assert len(warns) == 1 and "d.kv is a directory; cannot remove it" in warns[0] and "move it away" in warns[0]
+    assert store.save("e", make_state([1])) == "e" and len(warns) == 1   # other conversations are cached
+    with pytest.raises(JllmError, match="d.kv .*move it away"):
+        store.remove("d")
+    assert store.clear() == 1 and sorted(os.listdir(store.dir)) == [".lock", "d.kv"]
+    (store.dir / "d.kv" / "keep").rmdir()
+    assert store.remove("d") and not store.remove("d")              # an empty one `jllm cache rm` removes
 
 
 def test_file_vanishing_is_a_quiet_miss(store, warns):
@@ -295,9 +321,9 @@ def test_directory_removed_under_a_running_store_is_made_again(store, warns):
     assert store.lookup([1, 2, 3], "c") == ("c", 3) and warns == []
     shutil.rmtree(store.dir)
     store.dir.write_bytes(b"")                                      # and a file in its place: a miss, and
-    assert store.lookup([1, 2, 3], "c") == (None, 0)                # saving fails as a full disk does
-    with pytest.raises(OSError):
-        store.save("c", make_state([1, 2, 3]))
+    assert store.lookup([1, 2, 3], "c") == (None, 0)                # saving fails as a full disk does:
+    assert store.save("c", make_state([1, 2, 3])) is None           # one warning
+    assert len(warns) == 1 and "could not save the KV cache of c" in warns[0]
 
 
 def test_stale_temp_files_are_cleaned_and_not_counted(store):

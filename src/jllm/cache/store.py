@@ -23,16 +23,26 @@ tokens>.kv` for a prompt without one. All integers little-endian:
 Header and tokens come first so that `lookup` reads a few KB per entry and never the payload. A file is
 written to `.<name>.<pid>.<rand>.tmp` in the same directory, fsynced and renamed over the entry (then the
 directory is fsynced), so a reader sees an old entry or a new one, never half of one. A file that is
-truncated, fails a checksum, has another format version, or was written for other models (fingerprints,
-see `model_fingerprint`) is reported once through `warn`, removed, and `load` returns None; `lookup` skips
-entries of other models without removing them, since another process with other models may own them.
+truncated, fails a checksum or has another format version is reported once through `warn` (once per file
+and process), removed, and `load` returns None. An entry written for other models (fingerprints, see
+`model_fingerprint`) is reported once when it sits under the conversation's own id (the next save replaces
+it); found by the prefix search under another name it is left alone, since another process with other
+models may own it. Anything at an entry's path that is not a regular file (a symlink, a FIFO, an empty
+directory) is never read, and is reported once and removed; a directory that is not empty is reported
+once and that conversation goes uncached until it is moved away.
 
-Writers (save and its eviction, remove, clear) hold `flock(<dir>/.lock)`, so every temp file seen while
-holding the lock belongs to a writer that died, and is removed. Readers take no lock: an entry that vanishes
-while being read is a miss. Last use is the file's mtime (set on save and load). Before a new file is
-written, eviction removes the least recently used `.kv` files (of any models) until, counting the new one,
-their total size is <= max_bytes and their count <= max_entries; so the caps hold at every moment, even
-when a writer is killed half-way.
+Writers (save and its eviction, remove, clear, and conversations.py's history saves) hold
+`flock(<dir>/.lock)`, so every temp file seen while holding the lock belongs to a writer that died, and is
+removed. A `.lock` that cannot be opened (a directory, a symlink) is said once in one line (`LockError`),
+and nothing is saved or removed until it is fixed; the turn goes on uncached. Readers take no lock: an
+entry that vanishes while being read is a miss. Last use is the file's mtime (set on save and load).
+
+Before a new file is written, eviction removes the least recently used `.kv` files (of any models) until
+their total size, counting both the new file and the old entry it replaces (both are on disk until the
+rename), is <= max_bytes and their count, counting the new one, is <= max_entries; when the old and the new
+do not fit together, the old entry goes first. So the caps hold at every moment, even when a writer is
+killed half-way. A save that fails (a full disk) is one warning through `warn` and returns None: the turn
+that produced the state is never lost to it.
 """
 
 from __future__ import annotations
@@ -48,7 +58,7 @@ import stat
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import closing, contextmanager
+from contextlib import closing, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -80,11 +90,21 @@ class KVState:
     draft_v: torch.Tensor | None = None
 
 
+def _valid_name(name: str) -> bool:
+    """A name that is safe as a file name in the cache directory (an entry's, without its `.kv`)."""
+    return isinstance(name, str) and bool(_ID.fullmatch(name)) and ".." not in name
+
+
 def check_conversation_id(conv_id: str) -> str:
-    """Return conv_id if it is safe as a file name in the cache directory, else raise JllmError."""
-    if not isinstance(conv_id, str) or not _ID.fullmatch(conv_id) or ".." in conv_id:
-        raise JllmError(f"invalid conversation id {conv_id!r}: use letters, digits, '.', '_' or '-' "
+    """Return conv_id if it is safe as a file name in the cache directory and names no file (`x.kv`, which
+    would be stored as `x.kv.kv`), else raise JllmError; the message quotes at most 40 characters of it."""
+    shown = repr(conv_id) if not isinstance(conv_id, str) or len(conv_id) <= 40 else repr(conv_id[:40]) + "..."
+    if not _valid_name(conv_id):
+        raise JllmError(f"invalid conversation id {shown}: use letters, digits, '.', '_' or '-' "
                         f"(at most 128, starting with a letter or digit, no '..')")
+    if conv_id.endswith((".kv", ".json")):
+        raise JllmError(f"invalid conversation id {shown}: name the conversation, not its file "
+                        f"(without {conv_id[conv_id.rindex('.'):]})")
     return conv_id
 
 
@@ -111,6 +131,46 @@ def model_fingerprint(gguf_file, precision: str) -> str:
 
 def _print_to_stderr(message: str) -> None:
     print(f"jllm: warning: {message}", file=sys.stderr)
+
+
+class LockError(JllmError):
+    """The cache directory's `.lock` cannot be opened or locked; the message says which and why."""
+
+
+_said: set[str] = set()             # lock problems already reported by this process
+
+
+def warn_once(warn: Callable[[str], None], message: str) -> None:
+    """Report a problem of the whole directory (its lock) once per process, whoever meets it."""
+    if message not in _said:
+        _said.add(message)
+        warn(message)
+
+
+@contextmanager
+def dir_lock(directory: Path) -> Iterator[None]:
+    """Hold flock(<directory>/.lock), making the directory (and the lock file) if missing. Raises LockError
+    when the lock cannot be had, OSError when the directory cannot be made (a full disk, a file there)."""
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)   # removed since we started: make it again
+    path = directory / ".lock"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        what = {errno.EISDIR: "is a directory", errno.ELOOP: "is a symbolic link"}.get(e.errno)
+        raise LockError(f"the KV cache lock {path} {what or f'cannot be opened ({e.strerror})'}; "
+                        f"nothing is cached until it is {'removed' if what else 'fixed'}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise LockError(f"the KV cache lock {path} is not a regular file; nothing is cached until it is "
+                            f"removed")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as e:
+            raise LockError(f"the KV cache lock {path} cannot be locked ({e.strerror}); nothing is cached") \
+                from None
+        yield
+    finally:
+        os.close(fd)
 
 
 class _Bad(Exception):
@@ -170,12 +230,18 @@ def _hashed(chunks, h):
             pending.result()
 
 
+def _write_all(f, data) -> None:
+    """Write all of data to an unbuffered file (whose write may take only part of it)."""
+    view = memoryview(data)
+    while view:
+        view = view[f.write(view):]
+
+
 def _write_hashed(f, views: list[memoryview], h) -> None:
     """Write the buffers in order, hashing each chunk on a worker thread while the next is written."""
     with closing(_hashed(_chunks(views), h)) as chunks:     # closing: the last hash is waited for on any exit
         for chunk in chunks:
-            while chunk:
-                chunk = chunk[f.write(chunk):]
+            _write_all(f, chunk)
 
 
 def _read_hashed(f, views: list[memoryview], h) -> None:
@@ -227,7 +293,7 @@ class KVStore:
         want = np.asarray(tokens, dtype=np.int64)
         best: tuple[str | None, int] = (None, 0)
         if conv_id is not None:
-            n = self._shared(check_conversation_id(conv_id), want)
+            n = self._shared(check_conversation_id(conv_id), want, own=True)
             if n > 0:
                 best = (conv_id, n)
             if n == len(want):
@@ -239,18 +305,27 @@ class KVStore:
                     best = (name, n)
         return best
 
-    def _shared(self, name: str, want: np.ndarray) -> int:
-        """Common prefix of `want` with the entry's tokens; 0 if missing, foreign or bad."""
+    def _shared(self, name: str, want: np.ndarray, own: bool = False) -> int:
+        """Common prefix of `want` with the entry's tokens; 0 if missing, foreign or bad. `own`: the entry is
+        the conversation's own, so one of other models there is reported (the save replaces it)."""
         try:
             with self._open(name) as f:
                 meta = self._read_meta(f)
         except OSError:                                   # vanished or unreadable: a miss
             return 0
         except _Bad as e:
-            if e.kind != "link":
+            if e.kind == "link":
+                self._mend(name)
+            else:
                 self._discard(name, e, None)
             return 0
         if not self._ours(meta.header):
+            if own:
+                h = meta.header
+                self._report((meta.st.st_dev, meta.st.st_ino),
+                             f"KV cache file {self.dir / (name + '.kv')} was written for other models (target "
+                             f"{h.get('target')}, draft {h.get('draft')}); the prompt is evaluated from scratch "
+                             f"and this conversation's state replaces it")
             return 0
         have = meta.tokens[:len(want)]
         diff = np.flatnonzero(have != want[:len(have)])
@@ -260,7 +335,8 @@ class KVStore:
         """Read an entry, verify header and checksum, return its first n_tokens positions; None (after one
         warning line naming the file and the problem, and removing the file) if it is corrupt, truncated,
         of another format version, or written for other models. Touches the entry's last-use time (LRU)."""
-        check_conversation_id(name)
+        if not _valid_name(name):
+            raise JllmError(f"invalid KV cache entry name {name[:40]!r}")
         meta = None
         try:
             with self._open(name) as f:
@@ -283,7 +359,10 @@ class KVStore:
         except FileNotFoundError:
             return None                                   # evicted or removed by another process: a miss
         except _Bad as e:
-            self._discard(name, e, meta)
+            if e.kind == "link":
+                self._mend(name)
+            else:
+                self._discard(name, e, meta)
             return None
         except OSError as e:                              # unreadable (permissions, I/O error): not ours to remove
             self.warn(f"cannot read KV cache file {self.dir / (name + '.kv')}: {e.strerror}; "
@@ -300,11 +379,12 @@ class KVStore:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as e:
             if e.errno == errno.ELOOP:
-                raise _Bad("link", "is a symbolic link; refused") from None
+                raise _Bad("link", "is a symbolic link") from None
             raise
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
             os.close(fd)
-            raise _Bad("link", "is not a regular file; refused")
+            raise _Bad("link", "is a directory" if stat.S_ISDIR(mode) else "is not a regular file")
         return os.fdopen(fd, "rb", buffering=0)
 
     def _read_meta(self, f) -> _Meta:
@@ -349,32 +429,73 @@ class KVStore:
     def _ours(self, header: dict) -> bool:
         return header.get("target") == self.target_fingerprint and header.get("draft") == self.draft_fingerprint
 
+    def _report(self, key: tuple[int, int], message: str) -> None:
+        """Warn about one file (device, inode) once in this process."""
+        if key not in self._warned:
+            self._warned.add(key)
+            self.warn(message)
+
     def _discard(self, name: str, bad: _Bad, meta: _Meta | None) -> None:
-        """Report a bad entry once and remove it (unless it was replaced by a new file meanwhile)."""
+        """Remove a bad entry (unless it was replaced by a new file meanwhile) and report it once."""
         path = self.dir / f"{name}.kv"
         try:
             st = meta.st if meta is not None else os.lstat(path)
         except FileNotFoundError:
             return
         key = (st.st_dev, st.st_ino)
-        if key not in self._warned:
-            self._warned.add(key)
-            self.warn(f"KV cache file {path} {bad}; removed it, the prompt is evaluated from scratch")
-        with self._locked():
-            try:
+        done = "removed it"
+        try:
+            with self._locked():
                 now = os.lstat(path)
-                if (now.st_dev, now.st_ino) == key and not stat.S_ISDIR(now.st_mode):
+                if (now.st_dev, now.st_ino) == key and stat.S_ISREG(now.st_mode):
                     path.unlink()
-            except OSError:
-                pass                                      # gone already, or not ours to remove
+        except LockError as e:
+            warn_once(self.warn, str(e))
+            done = "left it in place"
+        except FileNotFoundError:
+            pass                                          # gone already
+        except OSError as e:
+            done = f"cannot remove it ({e.strerror})"
+        self._report(key, f"KV cache file {path} {bad}; {done}, the prompt is evaluated from scratch")
+
+    def _mend(self, name: str, held: bool = False) -> bool:
+        """Something that is not a regular file sits at an entry's path (a symlink, a FIFO, a directory):
+        remove it (a symlink itself, never its target; a directory only if empty) and report it once.
+        `held`: the caller holds the lock. Returns whether the path is free for an entry now."""
+        path = self.dir / f"{name}.kv"
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return True
+        if stat.S_ISREG(st.st_mode):
+            return True
+        what = "is a directory" if stat.S_ISDIR(st.st_mode) else \
+            "is a symbolic link" if stat.S_ISLNK(st.st_mode) else "is not a regular file"
+        free, done = True, "removed it"
+        try:
+            with nullcontext() if held else self._locked():
+                now = os.lstat(path)
+                if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+                    os.rmdir(path) if stat.S_ISDIR(now.st_mode) else os.unlink(path)
+        except LockError as e:
+            warn_once(self.warn, str(e))
+            free, done = False, "left it in place"
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            free, done = False, f"cannot remove it ({e.strerror}): move it away, until then {name} is not cached"
+        self._report((st.st_dev, st.st_ino), f"KV cache file {path} {what}; {done}, the prompt is evaluated "
+                                             f"from scratch")
+        return free
 
     # -- writing ----------------------------------------------------------------------------------------------
 
     def save(self, conv_id: str | None, state: KVState) -> str | None:
-        """Enforce the caps counting the new entry (evict least recently used entries until total bytes
-        <= max_bytes and count <= max_entries; an entry larger than max_bytes alone is not kept), then write
-        atomically (temp file in the same dir, fsync, rename, fsync the dir). conv_id None names the entry
-        after its tokens. Returns the name, or None if the state was too large to keep."""
+        """Enforce the caps counting the new entry and the old one it replaces (evict least recently used
+        entries until total bytes <= max_bytes and count <= max_entries; an entry larger than max_bytes alone
+        is not kept), then write atomically (temp file in the same dir, fsync, rename, fsync the dir). conv_id
+        None names the entry after its tokens. Returns the name, or None (after one warning) if the state was
+        too large to keep or could not be written (a full disk, a broken lock)."""
         tokens = np.asarray(state.tokens, dtype=np.int64)
         name = check_conversation_id(conv_id) if conv_id is not None else \
             "anon-" + hashlib.sha256(tokens.astype("<i4").tobytes()).hexdigest()[:24]
@@ -402,30 +523,44 @@ class KVStore:
             self.warn(f"KV state '{name}' ({size / 2**20:.1f} MiB) is larger than the whole KV cache "
                       f"({self.max_bytes / 2**20:.1f} MiB); not saved")
             return None
-        with self._locked():
-            self._remove_temps()
-            self._evict(name, size)
-            tmp = self.dir / f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            try:
-                with os.fdopen(fd, "wb", buffering=0) as f:
-                    raw = json.dumps(header).encode()          # placeholder checksum, same length
-                    f.write(b"\0" * (_PREFIX + len(raw)) + tok)
-                    digest = hashlib.sha256()
-                    _write_hashed(f, views, digest)
-                    header["payload_sha256"] = digest.hexdigest()
-                    raw = json.dumps(header).encode()
-                    prefix = MAGIC + FORMAT_VERSION.to_bytes(4, "little") + len(raw).to_bytes(4, "little") \
-                        + hashlib.sha256(raw + tok).digest()
-                    os.pwrite(f.fileno(), prefix + raw, 0)
-                    self._touch(f.fileno())
-                    os.fsync(f.fileno())
-                os.replace(tmp, self.dir / f"{name}.kv")
-            except BaseException:
-                tmp.unlink(missing_ok=True)
-                raise
-            self._sync_dir()
+        try:
+            with self._locked():
+                if not self._mend(name, held=True):
+                    return None
+                self._remove_temps()
+                self._evict(name, size)
+                self._write(name, header, tok, views)
+        except LockError as e:
+            warn_once(self.warn, str(e))
+            return None
+        except OSError as e:
+            self.warn(f"could not save the KV cache of {name} in {self.dir}: {e.strerror or e}; the next turn "
+                      f"evaluates its prompt from scratch")
+            return None
         return name
+
+    def _write(self, name: str, header: dict, tok: bytes, views: list[memoryview]) -> None:
+        """Write the entry to a temp file and rename it in; called with the lock held and room made."""
+        tmp = self.dir / f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            with os.fdopen(fd, "wb", buffering=0) as f:
+                raw = json.dumps(header).encode()          # placeholder checksum, same length
+                _write_all(f, b"\0" * (_PREFIX + len(raw)) + tok)
+                digest = hashlib.sha256()
+                _write_hashed(f, views, digest)
+                header["payload_sha256"] = digest.hexdigest()
+                raw = json.dumps(header).encode()
+                prefix = MAGIC + FORMAT_VERSION.to_bytes(4, "little") + len(raw).to_bytes(4, "little") \
+                    + hashlib.sha256(raw + tok).digest()
+                os.pwrite(f.fileno(), prefix + raw, 0)
+                self._touch(f.fileno())
+                os.fsync(f.fileno())
+            os.replace(tmp, self.dir / f"{name}.kv")
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        self._sync_dir()
 
     def _touch(self, fd: int) -> None:
         now = max(time.time_ns(), self._last_touch + 1)     # distinct, increasing last-use times
@@ -437,18 +572,19 @@ class KVStore:
 
     def _evict(self, name: str, size: int) -> None:
         """Make room for `size` bytes under `name` before they are written: remove least recently used
-        entries until the caps hold with the new entry in place and also with the old one (which the new
-        replaces, or which stays if the write fails). So the caps hold at every moment, crashes included."""
+        entries until the caps hold with the new file and the old entry both on disk (as they are until the
+        rename, or for good if the write fails); if the two do not fit together, the old entry goes first.
+        So the caps hold at every moment, crashes included."""
         rows = sorted(self._scan(), key=lambda r: r[1].st_mtime_ns)
         old = sum(st.st_size for n, st in rows if n == name)
         rows = [(n, st) for n, st in rows if n != name]
-        total, count = sum(st.st_size for _, st in rows) + max(old, size), len(rows) + 1
+        total, count = sum(st.st_size for _, st in rows) + old + size, len(rows) + 1
         for victim, st in rows:
             if total <= self.max_bytes and count <= self.max_entries:
                 break
             (self.dir / f"{victim}.kv").unlink(missing_ok=True)
             total, count = total - st.st_size, count - 1
-        if total > self.max_bytes:                          # the old entry alone is over a lowered cap
+        if total > self.max_bytes:                          # old and new do not fit together: old goes
             (self.dir / f"{name}.kv").unlink(missing_ok=True)
 
     def _remove_temps(self) -> int:
@@ -467,15 +603,8 @@ class KVStore:
         finally:
             os.close(fd)
 
-    @contextmanager
-    def _locked(self) -> Iterator[None]:
-        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)   # removed since we started: make it again
-        fd = os.open(self.dir / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)
+    def _locked(self):
+        return dir_lock(self.dir)
 
     # -- listing and housekeeping -----------------------------------------------------------------------------
 
@@ -488,7 +617,7 @@ class KVStore:
         except (FileNotFoundError, NotADirectoryError):
             return rows
         for e in listing:
-            if e.name.endswith(".kv") and _ID.fullmatch(e.name[:-3]) and ".." not in e.name[:-3]:
+            if e.name.endswith(".kv") and _valid_name(e.name[:-3]):
                 try:
                     st = e.stat(follow_symlinks=False)
                 except FileNotFoundError:
@@ -520,12 +649,17 @@ class KVStore:
         return out
 
     def remove(self, conv_id: str) -> bool:
+        """Remove a conversation's entry (or an empty directory, a symlink in its place); False if there is
+        none. Raises JllmError for a directory that is not empty, LockError for a broken lock."""
         path = self.dir / f"{check_conversation_id(conv_id)}.kv"
         with self._locked():
             try:
-                path.unlink()
+                os.rmdir(path) if path.is_dir() and not path.is_symlink() else path.unlink()
             except FileNotFoundError:
                 return False
+            except OSError as e:
+                raise JllmError(f"cannot remove {path} ({e.strerror}): it is a directory, not a KV cache file; "
+                                f"move it away") from None
             self._sync_dir()
         return True
 
