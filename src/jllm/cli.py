@@ -198,7 +198,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
     """Interactive chat, or one turn of a stored conversation with -p (non-interactive)."""
     import time
 
-    from jllm.cache.conversations import load_messages, save_messages
+    from jllm.cache.conversations import History
     from jllm.engine import Timings
 
     params = _params(a)
@@ -206,7 +206,8 @@ def cmd_chat(a: argparse.Namespace) -> int:
     conv_id = a.conversation          # a new chat gets its own id, so each turn replaces one cache entry
     if conv_id is None:
         conv_id = f"chat-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-    messages = load_messages(cache_dir, conv_id) if conv_id else []
+    history = History(cache_dir, conv_id) if conv_id else None   # saves merge turns of other processes
+    messages = history.messages if history else []
     resumed = sum(m["role"] == "user" for m in messages)
     if a.system and not messages:
         messages.append({"role": "system", "content": a.system})
@@ -229,8 +230,8 @@ def cmd_chat(a: argparse.Namespace) -> int:
             raise
         reply = "".join(parts)
         messages.append({"role": "assistant", "content": reply})
-        if conv_id:
-            save_messages(cache_dir, conv_id, messages)
+        if history:                               # a failure (a full disk) is one warning: the reply stays
+            history.save()
         return reply, ids, timings
 
     if a.prompt is not None:                      # one turn, then exit
@@ -324,16 +325,23 @@ def _after_reply(a: argparse.Namespace, eng, t: dict, ids: list[int], verbose: b
         print(f"\033[2m{line}\033[0m" if dim else line, file=sys.stderr)
 
 
+CACHE_USAGE = "jllm cache {ls,rm ID...,clear,stats} [--cache-dir DIR] [--cache-size SIZE]"
+
+
 def cmd_cache(a: argparse.Namespace) -> int:
-    from jllm.cache.conversations import list_conversations, remove_messages
+    from jllm.cache.conversations import clear_temps, list_conversations, remove_messages
     from jllm.cache.store import KVStore, check_conversation_id
 
-    cache_dir = _cache_dir(a)
+    if a.action is None:
+        raise JllmError(f"usage: {CACHE_USAGE}")
     if a.action == "rm" and not a.ids:
         raise JllmError("usage: jllm cache rm ID [ID ...]")
+    if a.action != "rm" and a.ids:
+        raise JllmError(f"`cache {a.action}` takes no ids (usage: {CACHE_USAGE})")
+    for conv in a.ids:                          # a bad id refuses the command before anything is removed
+        check_conversation_id(conv)
+    cache_dir = _cache_dir(a)
     if not cache_dir.exists():                  # looking must not create it
-        for conv in a.ids if a.action == "rm" else []:
-            check_conversation_id(conv)
         print(f"no KV cache at {cache_dir} (nothing stored yet)")
         return 0
     store = KVStore(cache_dir, max_bytes=a.cache_size)
@@ -347,13 +355,19 @@ def cmd_cache(a: argparse.Namespace) -> int:
         only_msgs = sorted(convs - {e["name"] for e in rows})
         if only_msgs:
             print(f"conversations without a cached KV state: {', '.join(only_msgs)}")
-    elif a.action == "rm":
+    elif a.action == "rm":                      # the ones there are removed; the missing ones are an error
+        missing = []
         for conv in a.ids:
-            check_conversation_id(conv)
-            found = store.remove(conv) | remove_messages(cache_dir, conv)
-            print(f"{'removed' if found else 'no such conversation'}: {conv}")
+            if store.remove(conv) | remove_messages(cache_dir, conv):
+                print(f"removed: {conv}")
+            else:
+                missing.append(conv)
+        if missing:
+            raise JllmError(f"no such conversation: {', '.join(missing)} (`jllm cache ls` lists them)")
     elif a.action == "clear":
-        print(f"removed {store.clear()} cached states")
+        n = store.clear()
+        clear_temps(cache_dir)                  # histories stay; their dead writers' temp files go
+        print(f"removed {n} cached states")
     else:
         st = store.stats()
         for k, v in st.items():
@@ -532,9 +546,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "model's alias, file name or \"default\" (by default any name is served by the loaded model)")
     sv.set_defaults(func=cmd_serve)
 
-    k = sub.add_parser("cache", help="the persistent KV cache: ls | rm ID | clear | stats")
-    k.add_argument("action", choices=["ls", "rm", "clear", "stats"])
-    k.add_argument("ids", nargs="*")
+    k = sub.add_parser("cache", help="the persistent KV cache: ls | rm ID... | clear | stats", usage=CACHE_USAGE)
+    k.add_argument("action", nargs="?", choices=["ls", "rm", "clear", "stats"])
+    k.add_argument("ids", nargs="*", metavar="ID", help="conversations to remove (rm only)")
     _cache_args(k)
     k.set_defaults(func=cmd_cache)
 

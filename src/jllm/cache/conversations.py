@@ -2,35 +2,59 @@
 
 `<cache dir>/conversations/<id>.json` holds {"version": 1, "messages": [{"role", "content"}, ...]}. The KV
 entries may be evicted; the messages are not (they are small), so an evicted conversation continues with its
-history recomputed. Written atomically (temp file, fsync, rename).
+history recomputed.
+
+A turn is saved by `History.save` under the KV store's lock (`<cache dir>/.lock`, see store.py): it reads
+the stored history again, and if another process saved turns of the same conversation since this one read
+it, this one's new turns go after them (one warning says so), so two `jllm chat` processes on one
+conversation lose no turn. The file is written to `conversations/.tmp-<random>.json`, fsynced and renamed;
+since every writer holds the lock, a temp file seen while holding it is a dead writer's and is removed (on
+every save and by `jllm cache clear`). A save that fails (a full disk) is one warning: the reply has been
+shown, and the turn stays in memory for the next save.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import stat
+import sys
 import tempfile
 from pathlib import Path
+from typing import Callable
 
-from jllm.cache.store import check_conversation_id
+from jllm.cache.store import LockError, check_conversation_id, dir_lock, valid_name, warn_once
 from jllm.errors import JllmError
 from jllm import paths
 
 VERSION = 1
+_TMP_PREFIX, _TMP_SUFFIX = ".tmp-", ".json"
 
 
 def default_cache_dir() -> Path:
     return paths.cache_dir("kv-cache", "JLLM_CACHE_DIR")
 
 
+def _print_to_stderr(message: str) -> None:
+    print(f"jllm: warning: {message}", file=sys.stderr)
+
+
 def _path(cache_dir: Path, conv_id: str) -> Path:
     return Path(cache_dir) / "conversations" / f"{check_conversation_id(conv_id)}.json"
 
 
-def load_messages(cache_dir: Path, conv_id: str) -> list[dict]:
+def load_messages(cache_dir: Path, conv_id: str, warn: Callable[[str], None] = _print_to_stderr) -> list[dict]:
     path = _path(cache_dir, conv_id)
     if path.is_symlink():
-        raise JllmError(f"conversation file {path} is a symbolic link; refusing to read it")
+        raise JllmError(f"conversation file {path} is a symbolic link; refusing to read it (remove it with "
+                        f"`jllm cache rm {conv_id}`)")
+    if path.is_dir():                               # never written by jllm: an empty one holds no history
+        try:
+            path.rmdir()
+        except OSError:
+            raise JllmError(f"conversation file {path} is a directory that is not empty; move it away") from None
+        warn(f"conversation file {path} was an empty directory; removed it, the conversation starts anew")
+        return []
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -52,9 +76,10 @@ def _well_formed(data) -> bool:
 
 
 def save_messages(cache_dir: Path, conv_id: str, messages: list[dict]) -> None:
+    """Write the history atomically (temp file, fsync, rename), as it is: no lock, no merge (History.save)."""
     path = _path(cache_dir, conv_id)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_TMP_PREFIX, suffix=_TMP_SUFFIX)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump({"version": VERSION, "messages": messages}, f, ensure_ascii=False)
@@ -66,15 +91,85 @@ def save_messages(cache_dir: Path, conv_id: str, messages: list[dict]) -> None:
         raise
 
 
+class History:
+    """One conversation's messages: loaded once, then saved after each turn, merged with turns that other
+    processes saved meanwhile. `messages` is the list to append to; save() updates it in place."""
+
+    def __init__(self, cache_dir: Path, conv_id: str, warn: Callable[[str], None] = _print_to_stderr):
+        self.cache_dir, self.conv_id, self.warn = Path(cache_dir), conv_id, warn
+        self.messages = load_messages(cache_dir, conv_id, warn)
+        self._stored = list(self.messages)          # what the file held when read or last written here
+
+    def save(self) -> None:
+        """Store the messages. If the file no longer holds what this process last read or wrote there,
+        another process saved turns meanwhile: the messages added here since go after its, and messages
+        becomes that merged history. A history that does not continue the stored one (after /reset) replaces
+        it. A failure to write is one warning; the messages stay, and the next save stores them."""
+        path = _path(self.cache_dir, self.conv_id)
+        try:
+            try:
+                with dir_lock(self.cache_dir):
+                    remove_temps(self.cache_dir)
+                    self._merge_and_write(path)
+            except LockError as e:                  # said once; the history is still worth keeping
+                warn_once(self.warn, str(e))
+                self._merge_and_write(path)
+        except (OSError, JllmError) as e:
+            self.warn(f"could not save conversation {self.conv_id} to {path}: {getattr(e, 'strerror', None) or e}"
+                      f"; this turn is not kept")
+
+    def _merge_and_write(self, path: Path) -> None:
+        base, mine = self._stored, self.messages
+        try:
+            now = load_messages(self.cache_dir, self.conv_id, self.warn)
+        except JllmError:                           # damaged since it was read: this process's copy is good
+            self.warn(f"conversation file {path} was damaged meanwhile; replaced it with this process's history")
+            now = base
+        if now != base and mine[:len(base)] == base:
+            self.warn(f"conversation {self.conv_id} was continued by another process meanwhile; this turn is "
+                      f"saved after its turns")
+            mine = now + mine[len(base):]
+        save_messages(self.cache_dir, self.conv_id, mine)
+        self.messages[:] = mine
+        self._stored = list(mine)
+
+
+def remove_temps(cache_dir: Path) -> int:
+    """Remove history temp files; call with the store's lock held, when every temp file is a dead writer's."""
+    d = Path(cache_dir) / "conversations"
+    n = 0
+    try:
+        listing = list(os.scandir(d))
+    except (FileNotFoundError, NotADirectoryError):
+        return 0
+    for e in listing:
+        if e.name.startswith(_TMP_PREFIX) and e.name.endswith(_TMP_SUFFIX) and e.is_file(follow_symlinks=False):
+            Path(e.path).unlink(missing_ok=True)
+            n += 1
+    return n
+
+
+def clear_temps(cache_dir: Path) -> int:
+    """remove_temps under the store's lock (for `jllm cache clear`)."""
+    with dir_lock(Path(cache_dir)):
+        return remove_temps(cache_dir)
+
+
 def remove_messages(cache_dir: Path, conv_id: str) -> bool:
+    """Remove a conversation's history (or an empty directory, a symlink in its place); False if none."""
     path = _path(cache_dir, conv_id)
     try:
-        path.unlink()
+        st = os.lstat(path)
+        os.rmdir(path) if stat.S_ISDIR(st.st_mode) else path.unlink()
         return True
     except FileNotFoundError:
         return False
+    except OSError as e:
+        raise JllmError(f"cannot remove {path} ({e.strerror}): it is a directory, not a conversation file; "
+                        f"move it away") from None
 
 
 def list_conversations(cache_dir: Path) -> list[str]:
+    """Ids of the stored histories (temp files and names that are no conversation id left out)."""
     d = Path(cache_dir) / "conversations"
-    return sorted(p.stem for p in d.glob("*.json")) if d.is_dir() else []
+    return sorted(p.stem for p in d.glob("*.json") if valid_name(p.stem)) if d.is_dir() else []

@@ -90,7 +90,7 @@ class KVState:
     draft_v: torch.Tensor | None = None
 
 
-def _valid_name(name: str) -> bool:
+def valid_name(name: str) -> bool:
     """A name that is safe as a file name in the cache directory (an entry's, without its `.kv`)."""
     return isinstance(name, str) and bool(_ID.fullmatch(name)) and ".." not in name
 
@@ -99,7 +99,7 @@ def check_conversation_id(conv_id: str) -> str:
     """Return conv_id if it is safe as a file name in the cache directory and names no file (`x.kv`, which
     would be stored as `x.kv.kv`), else raise JllmError; the message quotes at most 40 characters of it."""
     shown = repr(conv_id) if not isinstance(conv_id, str) or len(conv_id) <= 40 else repr(conv_id[:40]) + "..."
-    if not _valid_name(conv_id):
+    if not valid_name(conv_id):
         raise JllmError(f"invalid conversation id {shown}: use letters, digits, '.', '_' or '-' "
                         f"(at most 128, starting with a letter or digit, no '..')")
     if conv_id.endswith((".kv", ".json")):
@@ -335,7 +335,7 @@ class KVStore:
         """Read an entry, verify header and checksum, return its first n_tokens positions; None (after one
         warning line naming the file and the problem, and removing the file) if it is corrupt, truncated,
         of another format version, or written for other models. Touches the entry's last-use time (LRU)."""
-        if not _valid_name(name):
+        if not valid_name(name):
             raise JllmError(f"invalid KV cache entry name {name[:40]!r}")
         meta = None
         try:
@@ -617,7 +617,7 @@ class KVStore:
         except (FileNotFoundError, NotADirectoryError):
             return rows
         for e in listing:
-            if e.name.endswith(".kv") and _valid_name(e.name[:-3]):
+            if e.name.endswith(".kv") and valid_name(e.name[:-3]):
                 try:
                     st = e.stat(follow_symlinks=False)
                 except FileNotFoundError:
