@@ -3,9 +3,12 @@ the test kills is a fresh process that did not pay for `import torch`.
 
 Commands on stdin, one per line, each answered by one line on stdout:
     spawn DIR CAP SEED COUNT   fork a writer that saves COUNT entries (0: until killed) -> its pid
+    chat DIR CONV SEED ROUNDS  fork a chat writer that takes ROUNDS turns of conversation CONV (0: until
+                               killed), each as one `jllm chat -p` process does: read the history, "generate"
+                               (sleep), save a KV state, save the history -> its pid
     wait PID                   -> its exit status (negative: killed by that signal)
 
-The tests import `state_for` and `FINGERPRINT` to check what the writers wrote.
+The tests import `state_for`, `FINGERPRINT` and `user_turn` to check what the writers wrote.
 """
 
 from __future__ import annotations
@@ -13,9 +16,11 @@ from __future__ import annotations
 import os
 import random
 import sys
+import time
 
 import torch
 
+from jllm.cache.conversations import History
 from jllm.cache.store import KVState, KVStore
 
 FINGERPRINT = "writer-test-model"
@@ -40,16 +45,44 @@ def write(directory: str, cap: int, seed: int, count: int) -> None:
         i += 1
 
 
+def user_turn(seed: int, r: int) -> str:
+    return f"writer {seed} turn {r}"
+
+
+def chat(directory: str, conv: str, seed: int, rounds: int) -> None:
+    """Turns of one conversation; the reply is padded to 0-40 KB so that history saves take a while."""
+    def warn(message: str) -> None:                        # any other warning fails the writer
+        if "continued by another process" not in message:
+            raise RuntimeError(message)
+
+    store = KVStore(directory, max_bytes=64 << 20, target_fingerprint=FINGERPRINT,
+                    draft_fingerprint=FINGERPRINT + "-draft", warn=warn)
+    rng = random.Random(seed)
+    r = 0
+    while rounds == 0 or r < rounds:
+        history = History(directory, conv, warn=warn)      # a new process reads the history
+        history.messages.append({"role": "user", "content": user_turn(seed, r)})
+        time.sleep(rng.uniform(0, 0.02))                   # generating the reply
+        reply = f"reply {seed}.{r} " + "x" * rng.randrange(40_000)
+        history.messages.append({"role": "assistant", "content": reply})
+        store.save(conv, state_for(rng.randrange(1 << 30)))
+        history.save()
+        r += 1
+
+
 def main() -> None:
     torch.set_num_threads(1)
     for line in sys.stdin:
         cmd, *args = line.split()
-        if cmd == "spawn":
+        if cmd in ("spawn", "chat"):
             pid = os.fork()
             if pid == 0:
                 code = 0
                 try:
-                    write(args[0], int(args[1]), int(args[2]), int(args[3]))
+                    if cmd == "spawn":
+                        write(args[0], int(args[1]), int(args[2]), int(args[3]))
+                    else:
+                        chat(args[0], args[1], int(args[2]), int(args[3]))
                 except BaseException as e:                 # noqa: BLE001 - reported through the exit status
                     print(f"writer failed: {e!r}", file=sys.stderr, flush=True)
                     code = 1
