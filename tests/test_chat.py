@@ -71,7 +71,9 @@ def test_from_metadata_picks_gguf_template_or_builtin():
     tok = Tokenizer.from_metadata(bpe_metadata())
     md = {**bpe_metadata(), "tokenizer.chat_template": "{{ eos_token }}", "general.architecture": "qwen2"}
     assert ChatTemplate.from_metadata(md, tok).render([]) == "<|im_end|>"
+    assert not ChatTemplate.from_metadata(md, tok).is_builtin
     md = {**bpe_metadata(), "general.architecture": "qwen2"}
+    assert ChatTemplate.from_metadata(md, tok).is_builtin
     assert ChatTemplate.from_metadata(md, tok).source == ChatTemplate.builtin("chatml").source
     spm = {**spm_metadata(), "general.architecture": "gemma3"}
     tmpl = ChatTemplate.from_metadata(spm, Tokenizer.from_metadata(spm))

@@ -252,7 +252,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
     name = eng.model.cfg.name or a.model
     print(f"jllm chat — {name}" + (f", conversation {conv_id}" if conv_id else "") +
           ". /help lists the commands, Ctrl-D or /exit quits.", file=sys.stderr)
-    if eng.chat_template.builtin:
+    if eng.chat_template.is_builtin:
         print(f"note: {eng.gguf.path.name} carries no chat template, as base (pretrained) models do: it continues "
               "text rather than answering (try an instruct model; `jllm models` marks them)", file=sys.stderr)
     if resumed:

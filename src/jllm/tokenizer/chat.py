@@ -115,7 +115,7 @@ class ChatTemplate:
         return cls(BUILTIN[name], origin=f"the built-in '{name}' chat template", **kwargs)
 
     @property
-    def builtin(self) -> bool:
+    def is_builtin(self) -> bool:
         """Whether this is jllm's fallback template: the GGUF carried none, which is how base models come."""
         return self.origin.startswith("the built-in")
 
