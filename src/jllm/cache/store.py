@@ -174,7 +174,8 @@ def dir_lock(directory: Path) -> Iterator[None]:
 
 
 class _Bad(Exception):
-    """A file that is not a usable entry; `kind` is "corrupt", "version" or "link"."""
+    """A file that is not a usable entry; `kind` is "corrupt", "version", "foreign" or "link" (not a regular
+    file: a symlink, a FIFO, a directory)."""
 
     def __init__(self, kind: str, problem: str):
         super().__init__(problem)
