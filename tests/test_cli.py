@@ -311,7 +311,10 @@ def test_reset_of_a_named_conversation_says_its_saved_turns_go(home):
 @pytest.mark.parametrize("action", [["ls"], ["stats"], ["clear"], ["rm", "c1"]])
 def test_cache_commands_on_a_missing_directory_create_nothing(home, action):
     proc = jllm(home, "cache", *action, "--cache-dir", "no-such-dir")
-    assert proc.returncode == 0 and "no KV cache at no-such-dir" in proc.stdout, proc.stderr
+    if action[0] == "rm":                                      # removing what is not there is a mistake
+        assert_user_error(proc, "no such conversation: c1", "no KV cache at no-such-dir")
+    else:
+        assert proc.returncode == 0 and "no KV cache at no-such-dir" in proc.stdout, proc.stderr
     assert not (home / "no-such-dir").exists()
 
 

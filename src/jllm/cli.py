@@ -342,6 +342,8 @@ def cmd_cache(a: argparse.Namespace) -> int:
         check_conversation_id(conv)
     cache_dir = _cache_dir(a)
     if not cache_dir.exists():                  # looking must not create it
+        if a.action == "rm":
+            raise JllmError(f"no such conversation: {', '.join(a.ids)} (no KV cache at {cache_dir})")
         print(f"no KV cache at {cache_dir} (nothing stored yet)")
         return 0
     store = KVStore(cache_dir, max_bytes=a.cache_size)
