@@ -462,16 +462,13 @@ def test_fingerprint_of_a_small_gguf_sees_data_and_precision(tmp_path):
 
 
 @pytest.mark.slow
-def test_fingerprint_of_real_models_is_fast_and_distinct(real_model):
+def test_fingerprint_of_real_models_is_distinct_and_stable(real_model):
     from jllm.gguf.reader import read_gguf
 
     small = model_fingerprint(read_gguf(real_model("smollm2-135m")), "int8")
-    g = read_gguf(real_model("qwen2.5-coder-1.5b"))
-    model_fingerprint(g, "int8")                                    # page cache warm, as after model load
-    t0 = time.perf_counter()
-    big = model_fingerprint(g, "int8")
-    assert time.perf_counter() - t0 < 0.5
+    big = model_fingerprint(read_gguf(real_model("qwen2.5-coder-1.5b")), "int8")
     assert small != big
+    assert model_fingerprint(read_gguf(real_model("qwen2.5-coder-1.5b")), "int8") == big
 
 
 # --- conversation histories (jllm/cache/conversations.py) -----------------------------------------------------

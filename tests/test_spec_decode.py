@@ -93,11 +93,20 @@ def test_always_wrong_draft_is_still_exact(paths, monkeypatch):
     assert eng.spec_stats.accepted < eng.spec_stats.drafted
 
 
-def test_stops_on_budget_and_end_of_turn(paths):
+def test_stops_on_budget_and_end_of_turn(paths, monkeypatch):
     eng = engine(paths["target"], paths["target"], mode="draft")
     out = eng.generate(PROMPT, SamplingParams(max_tokens=7))
     assert len(out.token_ids) == 7
     assert out.finish_reason == "length"
+    # End of turn: a token that plain greedy decoding first writes at position >= 8 is made an end-of-turn
+    # token; the draft (the target itself) proposes it inside an accepted run, and the loop must stop there.
+    plain = engine(paths["target"]).generate(PROMPT, SamplingParams(max_tokens=40)).token_ids
+    cut = next(i for i in range(8, len(plain)) if plain[i] not in plain[:i])
+    monkeypatch.setattr(type(eng.tokenizer), "eot_ids", property(lambda self: frozenset({plain[cut]})))
+    eng = engine(paths["target"], paths["target"], mode="draft")
+    out = eng.generate(PROMPT, SamplingParams(max_tokens=40))
+    assert out.finish_reason == "stop" and out.token_ids == plain[:cut + 1]
+    assert eng.spec_stats.accepted > 0
 
 
 def test_sampled_distribution_matches_target(paths):
