@@ -177,6 +177,17 @@ def test_entry_cap_and_restart_keep_last_use_order(tmp_path):
     assert sorted(e["name"] for e in later.entries()) == ["a", "d", "e"]
 
 
+def test_a_big_rewrite_drops_its_own_old_entry_before_other_conversations(tmp_path):
+    small, big = make_state(list(range(10))), make_state(list(range(60)))
+    cap = 2 * entry_size(small, "a") + entry_size(big, "big") + entry_size(big, "big") // 2
+    store = KVStore(tmp_path, max_bytes=cap, target_fingerprint="T")
+    for name, state in (("a", small), ("b", small), ("big", big)):
+        store.save(name, state)
+    store.save("big", make_state(list(range(64))))      # old + new over the cap; new + the others within it
+    assert sorted(e["name"] for e in store.entries()) == ["a", "b", "big"]
+    assert sum(e["bytes"] for e in store.entries()) <= cap
+
+
 def test_cap_holds_before_the_new_file_is_renamed_in(tmp_path, monkeypatch):
     state = make_state(list(range(20)))
     cap = 2 * entry_size(state, "e0") + 50

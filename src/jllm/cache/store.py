@@ -579,14 +579,15 @@ class KVStore:
         rows = sorted(self._scan(), key=lambda r: r[1].st_mtime_ns)
         old = sum(st.st_size for n, st in rows if n == name)
         rows = [(n, st) for n, st in rows if n != name]
+        if old and old + size > self.max_bytes:             # old and new do not fit together: old goes first,
+            (self.dir / f"{name}.kv").unlink(missing_ok=True)   # before any other conversation's entry
+            old = 0
         total, count = sum(st.st_size for _, st in rows) + old + size, len(rows) + 1
         for victim, st in rows:
             if total <= self.max_bytes and count <= self.max_entries:
                 break
             (self.dir / f"{victim}.kv").unlink(missing_ok=True)
             total, count = total - st.st_size, count - 1
-        if total > self.max_bytes:                          # old and new do not fit together: old goes
-            (self.dir / f"{name}.kv").unlink(missing_ok=True)
 
     def _remove_temps(self) -> int:
         """Remove temp files; called with the lock held, when every temp file is a dead writer's."""
