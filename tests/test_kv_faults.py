@@ -119,13 +119,50 @@ def test_a_failed_history_save_is_kept_for_the_next_save(tmp_path, monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device")))
         history.save()
-    assert len(warns) == 1 and "this turn is not kept" in warns[0] and load_messages(tmp_path, "c") == []
+    assert len(warns) == 1 and "its history is not saved this time" in warns[0] and load_messages(tmp_path, "c") == []
     history.messages += [{"role": "user", "content": "two"}, {"role": "assistant", "content": "2"}]
     history.save()                                               # an interactive chat's next turn
     assert user_turns(tmp_path) == ["one", "two"] and len(warns) == 1
 
 
 # --- 2. a .lock that cannot be opened ------------------------------------------------------------------------
+
+def test_two_new_conversations_with_a_system_message_merge_into_one_history(tmp_path):
+    first, second = History(tmp_path, "c", warn=[].append), History(tmp_path, "c", warn=[].append)
+    for h, who in ((first, "A"), (second, "B")):
+        h.messages += [{"role": "system", "content": f"sys {who}"}, {"role": "user", "content": f"u {who}"},
+                       {"role": "assistant", "content": f"a {who}"}]
+    first.save()
+    second.save()
+    assert [m["content"] for m in load_messages(tmp_path, "c")] == ["sys A", "u A", "a A", "u B", "a B"]
+
+
+def test_a_history_removed_meanwhile_is_written_whole_not_cut(tmp_path):
+    """`jllm cache rm` (or another session's /reset) during a session: its next save keeps all it holds."""
+    warns = []
+    h = History(tmp_path, "c", warn=warns.append)
+    h.messages += [{"role": "system", "content": "s"}, {"role": "user", "content": "u1"},
+                   {"role": "assistant", "content": "a1"}]
+    h.save()
+    (tmp_path / "conversations" / "c.json").unlink()             # removed by another process
+    h.messages += [{"role": "user", "content": "u2"}, {"role": "assistant", "content": "a2"}]
+    h.save()
+    assert [m["content"] for m in load_messages(tmp_path, "c")] == ["s", "u1", "a1", "u2", "a2"]
+    assert h.messages[0]["content"] == "s" and not any("another process" in w for w in warns)
+
+
+def test_a_history_save_does_not_wait_for_the_kv_lock(tmp_path):
+    """A state's save holds the KV store's lock for seconds after a reply; the history has its own."""
+    import fcntl
+
+    h = History(tmp_path, "c", warn=[].append)
+    h.messages += [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+    tmp_path.mkdir(exist_ok=True)
+    with open(tmp_path / ".lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)                            # as the background KV save holds it
+        h.save()                                                    # would block forever on the same lock
+    assert len(load_messages(tmp_path, "c")) == 2
+
 
 @pytest.mark.parametrize("lock", ["directory", "symlink loop"])
 def test_a_broken_lock_is_one_line_and_the_turn_goes_on_uncached(capsys, model, tmp_path, lock):

@@ -108,7 +108,8 @@ class History:
         path = _path(self.cache_dir, self.conv_id)
         try:
             try:
-                with dir_lock(self.cache_dir):
+                with dir_lock(self.cache_dir / "conversations"):    # not the KV lock, which a state's save
+                                                                       # holds for seconds after a reply
                     remove_temps(self.cache_dir)
                     self._merge_and_write(path)
             except LockError as e:                  # said once; the history is still worth keeping
@@ -116,7 +117,7 @@ class History:
                 self._merge_and_write(path)
         except (OSError, JllmError) as e:
             self.warn(f"could not save conversation {self.conv_id} to {path}: {getattr(e, 'strerror', None) or e}"
-                      f"; this turn is not kept")
+                      f"; its history is not saved this time")
 
     def _merge_and_write(self, path: Path) -> None:
         base, mine = self._stored, self.messages
@@ -125,10 +126,16 @@ class History:
         except JllmError:                           # damaged since it was read: this process's copy is good
             self.warn(f"conversation file {path} was damaged meanwhile; replaced it with this process's history")
             now = base
-        if now != base and mine[:len(base)] == base:
+        # Merge only where another process appended to what this one read; a history removed or replaced
+        # meanwhile (`jllm cache rm`, another session's /reset), or replaced here (/reset), is written as this
+        # process holds it.
+        if now != base and now[:len(base)] == base and mine[:len(base)] == base:
+            added = mine[len(base):]
+            if not base and now and now[0]["role"] == "system" and added and added[0]["role"] == "system":
+                added = added[1:]                   # both started it with a system message: the first stays
             self.warn(f"conversation {self.conv_id} was continued by another process meanwhile; this turn is "
                       f"saved after its turns")
-            mine = now + mine[len(base):]
+            mine = now + added
         save_messages(self.cache_dir, self.conv_id, mine)
         self.messages[:] = mine
         self._stored = list(mine)
@@ -151,7 +158,7 @@ def remove_temps(cache_dir: Path) -> int:
 
 def clear_temps(cache_dir: Path) -> int:
     """remove_temps under the store's lock (for `jllm cache clear`)."""
-    with dir_lock(Path(cache_dir)):
+    with dir_lock(Path(cache_dir) / "conversations"):
         return remove_temps(cache_dir)
 
 
