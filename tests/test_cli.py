@@ -362,6 +362,11 @@ def test_chat_with_a_model_without_a_chat_template_says_it_is_a_base_model(home)
     proc = jllm(home, "chat", "-m", name, "-n", "2", stdin="hello\n")
     assert proc.returncode == 0, proc.stderr
     assert "carries no chat template, as base (pretrained) models do" in proc.stderr
+    write_tiny_model(home / "long.gguf", "qwen2", intermediate_size=256, seed=11)   # runs on past 256
+    data = bytearray((home / "long.gguf").read_bytes())
+    patch_string_value(data, "tokenizer.chat_template", " " * len(template.encode()))
+    out = json.loads(jllm(home, "chat", "-m", derived(home, "long-base.gguf", data), "-p", "hello", "--json").stdout)
+    assert len(out["token_ids"]) == 256 and out["finish_reason"] == "length"      # no -n: 256 at most
     assert "carries no chat template" not in jllm(home, "chat", "-m", "tiny.gguf", "-n", "2", stdin="").stderr
 
 

@@ -30,10 +30,11 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="refuse to load a configuration whose planned memory exceeds this (see jllm plan)")
 
 
-def _sampling_args(p: argparse.ArgumentParser, n_predict: int = 256) -> None:
+def _sampling_args(p: argparse.ArgumentParser, n_predict: int | None = 256) -> None:
+    default = ("-1 with a chat template, 256 for a base model" if n_predict is None else str(n_predict))
     p.add_argument("-n", "--n-predict", type=int, default=n_predict,
-                   help="max tokens to generate; -1: until the end of the answer or a full context (default "
-                        + ("-1" if n_predict < 0 else str(n_predict)) + ")")
+                   help=f"max tokens to generate; -1: until the end of the answer or a full context (default "
+                        f"{default})")
     p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -48,7 +49,8 @@ def _params(a: argparse.Namespace):
 
     return SamplingParams(temperature=a.temp, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
                           repeat_penalty=a.repeat_penalty, seed=a.seed,
-                          max_tokens=a.n_predict if a.n_predict >= 0 else a.ctx_size,   # -1: the context bounds it
+                          max_tokens=a.n_predict if a.n_predict is not None and a.n_predict >= 0
+                          else a.ctx_size,                                   # -1: the context bounds it
                           stop=tuple(a.stop))
 
 
@@ -212,6 +214,9 @@ def cmd_chat(a: argparse.Namespace) -> int:
     if a.system and not messages:
         messages.append({"role": "system", "content": a.system})
     eng = _engine(a, kv_cache=not a.no_kv_cache)
+    if a.n_predict is None:                     # a base model rarely ends its turn: it would fill the context
+        a.n_predict = 256 if eng.chat_template.is_builtin else -1
+        params = _params(a)
 
     def turn(text: str, echo: bool) -> tuple[str, object, Timings]:
         messages.append({"role": "user", "content": text})
@@ -254,7 +259,8 @@ def cmd_chat(a: argparse.Namespace) -> int:
           ". /help lists the commands, Ctrl-D or /exit quits.", file=sys.stderr)
     if eng.chat_template.is_builtin:
         print(f"note: {eng.gguf.path.name} carries no chat template, as base (pretrained) models do: it continues "
-              "text rather than answering (try an instruct model; `jllm models` marks them)", file=sys.stderr)
+              "text rather than answering, so answers stop at 256 tokens unless -n says otherwise (try an instruct "
+              "model; `jllm models` marks them)", file=sys.stderr)
     if resumed:
         print(f"(resumed conversation {conv_id}: {resumed} earlier turn{'s' * (resumed != 1)})", file=sys.stderr)
     while True:
@@ -521,7 +527,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("chat", help="multi-turn chat: interactive, or one turn with -p (kept by --conversation)")
     _model_args(c)
-    _sampling_args(c, n_predict=-1)
+    _sampling_args(c, n_predict=None)
     _cache_args(c)
     _spec_args(c)
     c.add_argument("--system", default=None, help="system message (for a new conversation)")
@@ -613,12 +619,20 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except JllmError as e:
         print(f"jllm: {e}", file=sys.stderr)
+        _abandon_build(interrupted=False)
         return 1
     except KeyboardInterrupt:
         print("\njllm: interrupted", file=sys.stderr)
+        _abandon_build(interrupted=True)
         return 130
     except BrokenPipeError:
         return 0
+
+
+def _abandon_build(interrupted: bool) -> None:
+    kernels = sys.modules.get("jllm.kernels")      # imported only if this command got as far as the kernels
+    if kernels is not None:
+        kernels.abandon_background_build(interrupted)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,8 @@ _lock = threading.Lock()
 _module = None
 _tried = False
 _why_not: str | None = None
+_builder: threading.Thread | None = None        # build_in_background's thread
+_abandoned = False                               # the command ended while it built
 
 
 @functools.cache
@@ -84,17 +86,18 @@ def build_dir() -> Path:
     return cache_dir("kernels", "JLLM_KERNELS_DIR") / ident.hexdigest()[:16]
 
 
-def _drop_stale_lock(lock: Path) -> None:
-    """torch's builder waits for as long as its lock file exists; a build killed outright (SIGKILL, power)
-    leaves it behind. A build takes well under a minute here, so a lock ten minutes old is a dead one."""
-    try:
-        import time
+@contextlib.contextmanager
+def _build_lock(out: Path):
+    """jllm's own lock around torch's builder. torch's lock file (`out/lock`) is a plain file that its
+    builder waits on for as long as it exists, so a build killed outright (SIGKILL, a closed terminal, the
+    OOM killer) would stop every later start. An flock dies with its process: whoever holds this one knows
+    that no build is running, and that a torch lock file still there is a dead build's."""
+    import fcntl
 
-        if time.time() - lock.stat().st_mtime > 600:
-            lock.unlink()
-            print(f"jllm: removed a stale kernel build lock ({lock})", file=sys.stderr)
-    except OSError:
-        pass
+    with open(out / ".jllm-build.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        (out / "lock").unlink(missing_ok=True)
+        yield
 
 
 class _BuildProgress:
@@ -149,15 +152,16 @@ def qgemm():
 
             out = build_dir()
             out.mkdir(parents=True, exist_ok=True)
-            fresh = not any(out.glob("*.so"))
-            _drop_stale_lock(out / "lock")
-            with _BuildProgress(out, len(_SOURCES)) if fresh else contextlib.nullcontext():
-                mod = ext.load(name="jllm_qgemm", sources=[str(s) for s in _SOURCES], extra_cflags=_flags(),
-                               extra_ldflags=["-fopenmp"], build_directory=str(out), verbose=False)
+            with _build_lock(out):
+                fresh = not any(out.glob("*.so"))
+                with _BuildProgress(out, len(_SOURCES)) if fresh else contextlib.nullcontext():
+                    mod = ext.load(name="jllm_qgemm", sources=[str(s) for s in _SOURCES], extra_cflags=_flags(),
+                                   extra_ldflags=["-fopenmp"], build_directory=str(out), verbose=False)
             _module = mod
         except Exception as e:                       # no compiler, no headers, read-only disk, ...
             _why_not = f"the kernels could not be built ({str(e).strip().splitlines()[-1][:200] if str(e).strip() else type(e).__name__})"
-            print(f"jllm: {_why_not}; using the slower FBGEMM int8 path", file=sys.stderr)
+            if not _abandoned:                       # (a build cut short by the user's Ctrl-C says nothing)
+                print(f"jllm: {_why_not}; using the slower FBGEMM int8 path", file=sys.stderr)
         return _module
 
 
@@ -166,8 +170,19 @@ def build_in_background() -> None:
     and the compile overlap (the compile is CPU-bound, a download network-bound); qgemm() then waits for it."""
     if _tried or not native_possible():
         return
-    # not a daemon: the interpreter waits for it at exit, so torch's build lock is always released
-    threading.Thread(target=qgemm, name="jllm-kernel-build").start()
+    # not a daemon: at exit the interpreter lets it finish, so no compiler is left writing the build dir
+    global _builder
+    _builder = threading.Thread(target=qgemm, name="jllm-kernel-build")
+    _builder.start()
+
+
+def abandon_background_build(interrupted: bool) -> None:
+    """The command ends early (an error, Ctrl-C) while the kernels build on their thread: a Ctrl-C has
+    stopped the compiler too, and its failure is not worth a line; otherwise say why the exit waits."""
+    global _abandoned
+    _abandoned = True
+    if _builder is not None and _builder.is_alive() and not interrupted:
+        print("jllm: finishing the kernel build before exiting (once; the next start uses it)", file=sys.stderr)
 
 
 def why_unavailable() -> str | None:

@@ -273,12 +273,12 @@ void attention_raw(const float* q, const void* k, const void* v, bool half, floa
 torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t start, int64_t window,
                         double scale) {
     TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q [T, H, D], k and v [Hk, L, D]");
-    TORCH_CHECK(q.scalar_type() == torch::kFloat32, "q must be float32");
+    TORCH_CHECK(q.scalar_type() == at::kFloat, "q must be float32");
     q = q.contiguous();
     TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), "the cache must be contiguous");
     const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hk = k.size(0), L = k.size(1);
     TORCH_CHECK(H % Hk == 0 && k.size(2) == D && start + T <= L, "shapes do not match");
-    auto out = torch::empty({T, H * D}, torch::kFloat32);
+    auto out = torch::empty({T, H * D}, at::kFloat);
     attention_raw(q.data_ptr<float>(), k.data_ptr(), v.data_ptr(), half_cache(k, v), out.data_ptr<float>(), T, H, Hk,
                   D, L, start, window, (float)scale);
     return out;

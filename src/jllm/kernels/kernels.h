@@ -15,12 +15,8 @@
 #include <tuple>
 #include <vector>
 
-namespace torch {                           // the names torch/extension.h would give (torch/types.h)
-using namespace at;
-constexpr auto kUInt8 = at::kByte;
-constexpr auto kInt64 = at::kLong;
-constexpr auto kFloat32 = at::kFloat;
-}
+namespace torch { using namespace at; }     // torch::Tensor, torch::empty as torch/extension.h gives them
+                                            // (dtype constants are spelled at::kFloat, at::kByte, ...)
 namespace pybind11 { class module_; using module = module_; }
 
 // A packed matrix's tiles (jllm/model/qlinear.py), checked once by qview.
@@ -66,6 +62,6 @@ void register_stack(pybind11::module& m);                                       
 // Whether a cache's k and v hold f16 (else f32; any other pair of dtypes is refused). attention and rope_store.
 inline bool half_cache(const torch::Tensor& k, const torch::Tensor& v) {
     TORCH_CHECK(k.scalar_type() == v.scalar_type() &&
-                (k.scalar_type() == torch::kFloat32 || k.scalar_type() == torch::kHalf), "a float32 or float16 cache");
+                (k.scalar_type() == at::kFloat || k.scalar_type() == torch::kHalf), "a float32 or float16 cache");
     return k.scalar_type() == torch::kHalf;
 }

@@ -78,7 +78,7 @@ public:
                           int64_t leaf) {
         std::lock_guard<std::mutex> lock(mu);
         TORCH_CHECK(head_norm && !layers.empty(), "the stack needs its layers and head before forward");
-        TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == D && x_in.scalar_type() == torch::kFloat32, "x must be [T, D] f32");
+        TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == D && x_in.scalar_type() == at::kFloat, "x must be [T, D] f32");
         TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.dim() == 4 && kc.sizes() == vc.sizes() &&
                     kc.size(0) == (int64_t)layers.size() && kc.size(1) == Hk && kc.size(3) == hd, "cache shape");
         const bool half = half_cache(kc, vc);
@@ -135,7 +135,7 @@ public:
         }
         const int64_t rows = last_only ? 1 : T;
         rms_norm_raw(x + (T - rows) * D, rows, D, head_norm, eps, h);
-        auto logits = torch::empty({rows, head.n}, torch::kFloat32);
+        auto logits = torch::empty({rows, head.n}, at::kFloat);
         qmatmul_raw(h, rows, D, head, logits.data_ptr<float>(), group);
         return logits;
     }

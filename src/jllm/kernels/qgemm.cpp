@@ -517,15 +517,15 @@ int64_t super_blocks(int64_t nb) {
 
 QView qview(const torch::Tensor& data, const torch::Tensor& offsets, const torch::Tensor& kinds, int64_t n,
             const torch::Tensor& bias) {
-    TORCH_CHECK(data.scalar_type() == torch::kUInt8 && data.is_contiguous(), "data must be contiguous uint8");
-    TORCH_CHECK(offsets.scalar_type() == torch::kInt64 && offsets.is_contiguous() && offsets.numel() >= 2,
+    TORCH_CHECK(data.scalar_type() == at::kByte && data.is_contiguous(), "data must be contiguous uint8");
+    TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.is_contiguous() && offsets.numel() >= 2,
                 "offsets must be int64 [T + 1]");
     const int64_t T = offsets.numel() - 1;
     TORCH_CHECK(n <= 16 * T && n > 16 * (T - 1), "n does not match the tiles");
-    TORCH_CHECK(kinds.scalar_type() == torch::kUInt8 && kinds.numel() == T, "kinds must be uint8 [T]");
+    TORCH_CHECK(kinds.scalar_type() == at::kByte && kinds.numel() == T, "kinds must be uint8 [T]");
     const uint8_t* kind = kinds.data_ptr<uint8_t>();
     for (int64_t t = 0; t < T; ++t) TORCH_CHECK(kind[t] <= kSix, "unknown tile kind");
-    TORCH_CHECK(!bias.numel() || (bias.scalar_type() == torch::kFloat32 && bias.numel() == n), "bias must be [n] f32");
+    TORCH_CHECK(!bias.numel() || (bias.scalar_type() == at::kFloat && bias.numel() == n), "bias must be [n] f32");
     return QView{data.data_ptr<uint8_t>(), offsets.data_ptr<int64_t>(), kind, T, n,
                  bias.numel() ? bias.data_ptr<float>() : nullptr};
 }
@@ -617,10 +617,10 @@ void qmatmul_raw(const float* x, int64_t M, int64_t K, const QView& w, float* y,
 // (Kind above); n: output features (<= 16 T); bias: [n] f32 or empty. -> y [M, n] f32
 torch::Tensor qmatmul(torch::Tensor x, torch::Tensor data, torch::Tensor offsets, torch::Tensor kinds,
                       int64_t n, torch::Tensor bias, int64_t group_bytes) {
-    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [M, K] float32");
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [M, K] float32");
     x = x.contiguous();
     const QView w = qview(data, offsets, kinds, n, bias);
-    auto y = torch::empty({x.size(0), n}, torch::kFloat32);
+    auto y = torch::empty({x.size(0), n}, at::kFloat);
     qmatmul_raw(x.data_ptr<float>(), x.size(0), x.size(1), w, y.data_ptr<float>(), group_bytes);
     return y;
 }

@@ -52,7 +52,7 @@ void add_rms_norm_raw(float* x, const float* a, int64_t R, int64_t D, const floa
 
 // x: [R, D] -> x / sqrt(mean(x^2) + eps) * w, per row (q/k norms pass [T * heads, head_dim]).
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
-    TORCH_CHECK(x.scalar_type() == torch::kFloat32 && w.scalar_type() == torch::kFloat32, "float32 only");
+    TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "float32 only");
     x = x.contiguous();
     const int64_t D = w.numel();
     TORCH_CHECK(x.numel() % D == 0, "rms_norm: width mismatch");
@@ -85,10 +85,10 @@ void glu_raw(const float* p, int64_t T, int64_t F, bool gelu, float* yp) {
 
 // gu: [T, 2F] (gate | up) -> act(gate) * up, act = silu, or gelu (tanh approximation) when gelu is true.
 torch::Tensor glu(torch::Tensor gu, bool gelu) {
-    TORCH_CHECK(gu.dim() == 2 && gu.scalar_type() == torch::kFloat32 && gu.size(1) % 2 == 0, "gu [T, 2F] float32");
+    TORCH_CHECK(gu.dim() == 2 && gu.scalar_type() == at::kFloat && gu.size(1) % 2 == 0, "gu [T, 2F] float32");
     gu = gu.contiguous();
     const int64_t T = gu.size(0), F = gu.size(1) / 2;
-    auto y = torch::empty({T, F}, torch::kFloat32);
+    auto y = torch::empty({T, F}, at::kFloat);
     glu_raw(gu.data_ptr<float>(), T, F, gelu, y.data_ptr<float>());
     return y;
 }
@@ -151,7 +151,7 @@ torch::Tensor rope_store(torch::Tensor q, torch::Tensor k, torch::Tensor v, torc
     TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && cos.is_contiguous() && sin.is_contiguous(),
                 "contiguous cache and tables");
     TORCH_CHECK(start + T <= L, "the cache is full");
-    auto qo = torch::empty({T, H, D}, torch::kFloat32);
+    auto qo = torch::empty({T, H, D}, at::kFloat);
     rope_store_raw(q.data_ptr<float>(), q.stride(0), k.data_ptr<float>(), k.stride(0), v.data_ptr<float>(),
                    v.stride(0), T, H, Hk, D, cos.data_ptr<float>(), sin.data_ptr<float>(), neox, rope_dim,
                    kc.data_ptr(), vc.data_ptr(), half_cache(kc, vc), L, start, qo.data_ptr<float>());
@@ -204,7 +204,7 @@ int64_t argmax_row(const float* p, int64_t V) {
 // needs from each step, in two passes over the row instead of torch's softmax and max (a draft step's 65,536
 // logits: ~0.1 ms -> ~0.02).
 std::tuple<int64_t, double> top_prob(torch::Tensor logits) {
-    TORCH_CHECK(logits.dim() == 1 && logits.scalar_type() == torch::kFloat32 && logits.numel() > 0, "logits [V] f32");
+    TORCH_CHECK(logits.dim() == 1 && logits.scalar_type() == at::kFloat && logits.numel() > 0, "logits [V] f32");
     logits = logits.contiguous();
     const float* x = logits.data_ptr<float>();
     const int64_t V = logits.numel();
@@ -222,7 +222,7 @@ std::tuple<int64_t, double> top_prob(torch::Tensor logits) {
 // with it). A verify pass's 5 x 151,936 logits: 0.38 ms with torch's CPU argmax, 0.10 with this (then bound by
 // reading them from L3).
 std::vector<int64_t> argmax_rows(torch::Tensor x) {
-    TORCH_CHECK(x.scalar_type() == torch::kFloat32 && (x.dim() == 1 || x.dim() == 2) && x.size(-1) > 0,
+    TORCH_CHECK(x.scalar_type() == at::kFloat && (x.dim() == 1 || x.dim() == 2) && x.size(-1) > 0,
                 "x must be [R, V] or [V] f32");
     x = x.contiguous();
     const int64_t V = x.size(-1), R = x.numel() / V;
