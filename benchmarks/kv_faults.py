@@ -36,7 +36,7 @@ import torch  # noqa: E402
 from jllm.cache.conversations import load_messages  # noqa: E402
 from jllm.cache.store import KVState, KVStore  # noqa: E402
 from jllm.errors import JllmError  # noqa: E402
-from kv_writer_child import FINGERPRINT, state_for  # noqa: E402
+from kv_writer_child import FINGERPRINT, dir_bytes, state_for  # noqa: E402
 
 
 class Writers:
@@ -99,17 +99,6 @@ def crash_loop(kills: int) -> None:
         ("kills landing with a KV temp file on disk", in_kv), ("kills landing with a history temp file", in_history),
         ("corrupt KV loads", corrupt), ("store warnings", warned), ("unreadable histories", unreadable), ("turns kept", turns),
         ("clean turn afterwards: exit status", status), ("stray temp files afterwards", stray)])
-
-
-def dir_bytes(d: Path) -> int:
-    total = 0
-    for e in os.scandir(d):
-        try:
-            if e.is_file(follow_symlinks=False):
-                total += e.stat(follow_symlinks=False).st_size
-        except FileNotFoundError:
-            pass
-    return total
 
 
 def size_cap() -> None:

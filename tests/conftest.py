@@ -4,6 +4,8 @@ llama.cpp reference fixtures in tests/fixtures (see its README for how they were
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -56,3 +58,23 @@ def reference():
         return json.loads(path.read_text())
 
     return load
+
+
+@pytest.fixture
+def writers():
+    """Commands to a tests/kv_writer_child.py process, one line each, answered by an int: e.g.
+    ask("spawn", dir, cap, seed, count) -> pid, ask("chat", dir, conv, seed, rounds) -> pid, ask("wait", pid)
+    -> status (kv_writer_child.py lists them)."""
+    here = Path(__file__).resolve().parent
+    proc = subprocess.Popen([sys.executable, str(here / "kv_writer_child.py")], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, bufsize=1, cwd=here)
+
+    def ask(*words) -> int:
+        proc.stdin.write(" ".join(map(str, words)) + "\n")
+        line = proc.stdout.readline()
+        assert line, "kv_writer_child.py died"
+        return int(line)
+
+    yield ask
+    proc.stdin.close()
+    proc.wait(timeout=30)

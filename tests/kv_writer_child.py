@@ -17,6 +17,7 @@ import os
 import random
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -68,6 +69,18 @@ def chat(directory: str, conv: str, seed: int, rounds: int) -> None:
         store.save(conv, state_for(rng.randrange(1 << 30)))
         history.save()
         r += 1
+
+
+def dir_bytes(d: Path) -> int:
+    """Bytes of the regular files in d now (files vanishing while it counts are skipped)."""
+    total = 0
+    for e in os.scandir(d):
+        try:
+            if e.is_file(follow_symlinks=False):
+                total += e.stat(follow_symlinks=False).st_size
+        except FileNotFoundError:
+            pass
+    return total
 
 
 def main() -> None:

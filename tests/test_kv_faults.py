@@ -28,7 +28,7 @@ from jllm.cache.conversations import History, load_messages, save_messages
 from jllm.cache.store import KVState, KVStore, check_conversation_id
 from jllm.cli import main
 from jllm.errors import JllmError
-from kv_writer_child import FINGERPRINT, state_for, user_turn
+from kv_writer_child import FINGERPRINT, dir_bytes, state_for, user_turn
 from synthetic import write_tiny_model
 
 HERE = Path(__file__).resolve().parent
@@ -242,31 +242,20 @@ def test_a_directory_at_a_history_path(capsys, model, tmp_path):
 
 # --- 4. the size cap counts writes in flight -----------------------------------------------------------------
 
-def _dir_bytes(d: Path) -> int:
-    total = 0
-    for e in os.scandir(d):
-        try:
-            if e.is_file(follow_symlinks=False):
-                total += e.stat(follow_symlinks=False).st_size
-        except FileNotFoundError:
-            pass
-    return total
-
-
 def test_disk_use_never_exceeds_the_cap_while_entries_are_rewritten(tmp_path, monkeypatch):
     cap = 20 << 20
     store = KVStore(tmp_path, max_bytes=cap, target_fingerprint="T")
     at_rename, real_replace = [], os.replace
 
     def replace(src, dst):                     # the moment both the old entry and the new file are on disk
-        at_rename.append(_dir_bytes(tmp_path))
+        at_rename.append(dir_bytes(tmp_path))
         real_replace(src, dst)
     monkeypatch.setattr(os, "replace", replace)
     sampled, done = [], threading.Event()
 
     def sample():
         while not done.is_set():
-            sampled.append(_dir_bytes(tmp_path))
+            sampled.append(dir_bytes(tmp_path))
             time.sleep(0.01)
     sampler = threading.Thread(target=sample)
     sampler.start()
@@ -285,23 +274,6 @@ def test_disk_use_never_exceeds_the_cap_while_entries_are_rewritten(tmp_path, mo
 
 
 # --- 5. two processes on one conversation --------------------------------------------------------------------
-
-@pytest.fixture
-def writers():
-    """Send commands to tests/kv_writer_child.py: ask("chat", dir, conv, seed, rounds) -> pid; ask("wait", pid)."""
-    proc = subprocess.Popen([sys.executable, str(HERE / "kv_writer_child.py")], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, bufsize=1, cwd=HERE)
-
-    def ask(*words) -> int:
-        proc.stdin.write(" ".join(map(str, words)) + "\n")
-        line = proc.stdout.readline()
-        assert line, "kv_writer_child.py died"
-        return int(line)
-
-    yield ask
-    proc.stdin.close()
-    proc.wait(timeout=30)
-
 
 def check_conversation(kv: Path, seeds: tuple[int, ...]) -> list[str]:
     """The history reads, alternates user/assistant with each reply after its own question, and keeps every

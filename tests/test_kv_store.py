@@ -9,8 +9,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,8 +18,6 @@ import torch
 from jllm.cache.store import FORMAT_VERSION, KVState, KVStore, check_conversation_id, model_fingerprint
 from jllm.errors import JllmError
 from kv_writer_child import FINGERPRINT, state_for
-
-HERE = Path(__file__).resolve().parent
 
 
 def make_state(tokens: list[int], draft: bool = False, seed: int = 0, dtype=torch.float32) -> KVState:
@@ -384,23 +380,6 @@ def test_symlink_entry_is_not_followed(store, warns, tmp_path):
 
 
 # --- crashes and concurrent writers --------------------------------------------------------------------------
-
-@pytest.fixture
-def writers():
-    """Send commands to tests/kv_writer_child.py: spawn(dir, cap, seed, count) -> pid; wait(pid) -> status."""
-    proc = subprocess.Popen([sys.executable, str(HERE / "kv_writer_child.py")], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, bufsize=1, cwd=HERE)
-
-    def ask(*words) -> int:
-        proc.stdin.write(" ".join(map(str, words)) + "\n")
-        line = proc.stdout.readline()
-        assert line, "kv_writer_child.py died"
-        return int(line)
-
-    yield ask
-    proc.stdin.close()
-    proc.wait(timeout=30)
-
 
 def check_directory(directory: Path, cap: int) -> int:
     """Every entry loads bitwise-correct; returns the number of entries. Fails on any corrupt one."""
