@@ -4,10 +4,10 @@
 entries may be evicted; the messages are not (they are small), so an evicted conversation continues with its
 history recomputed.
 
-A turn is saved by `History.save` under the KV store's lock (`<cache dir>/.lock`, see store.py): it reads
-the stored history again, and if another process saved turns of the same conversation since this one read
-it, this one's new turns go after them (one warning says so), so two `jllm chat` processes on one
-conversation lose no turn. The file is written to `conversations/.tmp-<random>.json`, fsynced and renamed;
+A turn is saved by `History.save` under the histories' lock (`conversations/.lock`; not the KV store's,
+which a state's background save holds for seconds after a reply): it reads the stored history again, and
+if another process appended turns of the same conversation since this one read it, this one's new turns
+go after them (one warning says so), so two `jllm chat` processes on one conversation lose no turn. The file is written to `conversations/.tmp-<random>.json`, fsynced and renamed;
 since every writer holds the lock, a temp file seen while holding it is a dead writer's and is removed (on
 every save and by `jllm cache clear`). A save that fails (a full disk) is one warning: the reply has been
 shown, and the turn stays in memory for the next save.
@@ -142,7 +142,7 @@ class History:
 
 
 def remove_temps(cache_dir: Path) -> int:
-    """Remove history temp files; call with the store's lock held, when every temp file is a dead writer's."""
+    """Remove history temp files; call with the histories' lock held, when every temp file is a dead writer's."""
     d = Path(cache_dir) / "conversations"
     n = 0
     try:
@@ -157,7 +157,7 @@ def remove_temps(cache_dir: Path) -> int:
 
 
 def clear_temps(cache_dir: Path) -> int:
-    """remove_temps under the store's lock (for `jllm cache clear`)."""
+    """remove_temps under the histories' lock (for `jllm cache clear`)."""
     with dir_lock(Path(cache_dir) / "conversations"):
         return remove_temps(cache_dir)
 
