@@ -82,9 +82,10 @@ def _environment() -> ImmutableSandboxedEnvironment:
 
 class ChatTemplate:
     def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "", strip_bos: bool = False,
-                 origin: str = "chat template"):
+                 origin: str = "chat template", is_builtin: bool = False):
         self.source = source
         self.origin = origin  # named in error messages
+        self.is_builtin = is_builtin  # jllm's fallback: the GGUF carried none, which is how base models come
         self.bos_token, self.eos_token, self.strip_bos = bos_token, eos_token, strip_bos
         try:
             self._template = _environment().from_string(source)
@@ -94,30 +95,21 @@ class ChatTemplate:
     @classmethod
     def from_metadata(cls, metadata: dict, tokenizer: Tokenizer) -> "ChatTemplate":
         """The GGUF's template, else the built-in one for its architecture."""
-        source = metadata.get("tokenizer.chat_template")
-        if isinstance(source, str) and source.strip():
-            origin = "the GGUF's chat template (tokenizer.chat_template)"
-        else:
-            arch = str(metadata.get("general.architecture", ""))
-            name = "gemma" if arch.startswith("gemma") else "chatml"
-            source, origin = BUILTIN[name], f"the built-in '{name}' chat template"
-
         def text(token_id: int | None) -> str:
             return tokenizer.token_text(token_id) if token_id is not None else ""
 
-        return cls(source, bos_token=text(tokenizer.bos_id), eos_token=text(tokenizer.eos_id),
-                   strip_bos=tokenizer.add_bos, origin=origin)
+        tokens = dict(bos_token=text(tokenizer.bos_id), eos_token=text(tokenizer.eos_id), strip_bos=tokenizer.add_bos)
+        source = metadata.get("tokenizer.chat_template")
+        if isinstance(source, str) and source.strip():
+            return cls(source, origin="the GGUF's chat template (tokenizer.chat_template)", **tokens)
+        arch = str(metadata.get("general.architecture", ""))
+        return cls.builtin("gemma" if arch.startswith("gemma") else "chatml", **tokens)
 
     @classmethod
     def builtin(cls, name: str, **kwargs) -> "ChatTemplate":
         if name not in BUILTIN:
             raise JllmError(f"no built-in chat template '{name}' (known: {', '.join(BUILTIN)})")
-        return cls(BUILTIN[name], origin=f"the built-in '{name}' chat template", **kwargs)
-
-    @property
-    def is_builtin(self) -> bool:
-        """Whether this is jllm's fallback template: the GGUF carried none, which is how base models come."""
-        return self.origin.startswith("the built-in")
+        return cls(BUILTIN[name], origin=f"the built-in '{name}' chat template", is_builtin=True, **kwargs)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
         """The prompt text for `messages`; `extra` variables (tools=..., enable_thinking=...) reach the template."""
