@@ -229,6 +229,16 @@ def test_pull_adopts_a_good_file_without_sidecar_and_replaces_a_bad_one(wheelhou
 
 # --- list_models, models_dir, the alias table ---------------------------------------------------------------
 
+def test_needs_download_follows_resolves_rule(wheelhouse, monkeypatch):
+    spec, data = make_model(wheelhouse, "tiny", [1234])
+    monkeypatch.setitem(store.ALIASES, "tiny", spec)
+    assert store.needs_download("tiny") and not store.needs_download("no-such-alias")
+    path = pull("tiny", progress=False)
+    assert not store.needs_download("tiny")
+    path.write_bytes(data[:-1])                                   # wrong size: resolve would pull again
+    assert store.needs_download("tiny")
+
+
 def test_list_models_reports_downloaded_and_sizes(wheelhouse, monkeypatch):
     spec, data = make_model(wheelhouse, "tiny", [1234])
     monkeypatch.setitem(store.ALIASES, "tiny", spec)

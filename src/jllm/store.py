@@ -173,9 +173,11 @@ def pull(alias: str | ModelSpec, progress: bool = True, force: bool = False) -> 
 
 
 def needs_download(name: str) -> bool:
-    """Whether resolve(name) would download: an alias whose file is not in the store yet."""
+    """Whether resolve(name) would download: by resolve's own rule, an alias (not a file) whose file in the
+    store fails the cheap check."""
     spec = ALIASES.get(name)
-    return spec is not None and not (models_dir() / spec.file_name).exists()
+    return spec is not None and not Path(name).expanduser().is_file() \
+        and not _is_verified(spec, models_dir() / spec.file_name)
 
 
 def list_models() -> list[dict]:
