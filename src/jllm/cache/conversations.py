@@ -7,9 +7,10 @@ history recomputed.
 A turn is saved by `History.save` under the histories' lock (`conversations/.lock`; not the KV store's,
 which a state's background save holds for seconds after a reply): it reads the stored history again, and
 if another process appended turns of the same conversation since this one read it, this one's new turns
-go after them (one warning says so), so two `jllm chat` processes on one conversation lose no turn. The file is written to `conversations/.tmp-<random>.json`, fsynced and renamed;
-since every writer holds the lock, a temp file seen while holding it is a dead writer's and is removed (on
-every save and by `jllm cache clear`). A save that fails (a full disk) is one warning: the reply has been
+go after them (one warning says so), so two `jllm chat` processes on one conversation lose no turn. The
+file is written to `conversations/.tmp-<random>.json`, fsynced and renamed; since every writer holds the
+lock, a temp file seen while holding it is a dead writer's and is removed (on every save and by
+`jllm cache clear`). A save that fails (a full disk) is one warning: the reply has been
 shown, and the turn stays in memory for the next save.
 """
 
@@ -17,13 +18,13 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import sys
 import tempfile
 from pathlib import Path
 from typing import Callable
 
-from jllm.cache.store import LockError, check_conversation_id, dir_lock, valid_name, warn_once
+from jllm.cache.store import (LockError, check_conversation_id, dir_lock, remove_file_or_empty_dir,
+                              remove_temp_files, valid_name, warn_once)
 from jllm.errors import JllmError
 from jllm import paths
 
@@ -143,17 +144,7 @@ class History:
 
 def remove_temps(cache_dir: Path) -> int:
     """Remove history temp files; call with the histories' lock held, when every temp file is a dead writer's."""
-    d = Path(cache_dir) / "conversations"
-    n = 0
-    try:
-        listing = list(os.scandir(d))
-    except (FileNotFoundError, NotADirectoryError):
-        return 0
-    for e in listing:
-        if e.name.startswith(_TMP_PREFIX) and e.name.endswith(_TMP_SUFFIX) and e.is_file(follow_symlinks=False):
-            Path(e.path).unlink(missing_ok=True)
-            n += 1
-    return n
+    return remove_temp_files(Path(cache_dir) / "conversations", _TMP_PREFIX, _TMP_SUFFIX)
 
 
 def clear_temps(cache_dir: Path) -> int:
@@ -166,8 +157,7 @@ def remove_messages(cache_dir: Path, conv_id: str) -> bool:
     """Remove a conversation's history (or an empty directory, a symlink in its place); False if none."""
     path = _path(cache_dir, conv_id)
     try:
-        st = os.lstat(path)
-        os.rmdir(path) if stat.S_ISDIR(st.st_mode) else path.unlink()
+        remove_file_or_empty_dir(path)
         return True
     except FileNotFoundError:
         return False

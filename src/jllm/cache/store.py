@@ -31,9 +31,9 @@ models may own it. Anything at an entry's path that is not a regular file (a sym
 directory) is never read, and is reported once and removed; a directory that is not empty is reported
 once and that conversation goes uncached until it is moved away.
 
-Writers (save and its eviction, remove, clear, and conversations.py's history saves) hold
-`flock(<dir>/.lock)`, so every temp file seen while holding the lock belongs to a writer that died, and is
-removed. A `.lock` that cannot be opened (a directory, a symlink) is said once in one line (`LockError`),
+Writers (save and its eviction, remove, clear) hold `flock(<dir>/.lock)`, so every temp file seen while
+holding the lock belongs to a writer that died, and is removed (conversations.py's history saves hold a lock
+of their own, `conversations/.lock`, the same way). A `.lock` that cannot be opened (a directory, a symlink) is said once in one line (`LockError`),
 and nothing is saved or removed until it is fixed; the turn goes on uncached. Readers take no lock: an
 entry that vanishes while being read is a miss. Last use is the file's mtime (set on save and load).
 
@@ -145,6 +145,27 @@ def warn_once(warn: Callable[[str], None], message: str) -> None:
     if message not in _said:
         _said.add(message)
         warn(message)
+
+
+def remove_temp_files(directory: Path, prefix: str, suffix: str) -> int:
+    """Remove the regular files named prefix...suffix in directory (none if it is gone); returns how many.
+    For writers' temp files, called with the lock that every writer holds, so each one is a dead writer's."""
+    try:
+        listing = list(os.scandir(directory))
+    except (FileNotFoundError, NotADirectoryError):
+        return 0
+    n = 0
+    for e in listing:
+        if e.name.startswith(prefix) and e.name.endswith(suffix) and e.is_file(follow_symlinks=False):
+            Path(e.path).unlink(missing_ok=True)
+            n += 1
+    return n
+
+
+def remove_file_or_empty_dir(path: Path) -> None:
+    """Unlink path (a symlink itself, never its target), or rmdir it when it is a directory; OSError for a
+    directory that is not empty, FileNotFoundError when nothing is there."""
+    os.rmdir(path) if stat.S_ISDIR(os.lstat(path).st_mode) else os.unlink(path)
 
 
 @contextmanager
@@ -477,7 +498,7 @@ class KVStore:
             with nullcontext() if held else self._locked():
                 now = os.lstat(path)
                 if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
-                    os.rmdir(path) if stat.S_ISDIR(now.st_mode) else os.unlink(path)
+                    remove_file_or_empty_dir(path)
         except LockError as e:
             warn_once(self.warn, str(e))
             free, done = False, "left it in place"
@@ -591,12 +612,7 @@ class KVStore:
 
     def _remove_temps(self) -> int:
         """Remove temp files; called with the lock held, when every temp file is a dead writer's."""
-        n = 0
-        for e in os.scandir(self.dir):
-            if e.name.startswith(".") and e.name.endswith(".tmp") and e.is_file(follow_symlinks=False):
-                Path(e.path).unlink(missing_ok=True)
-                n += 1
-        return n
+        return remove_temp_files(self.dir, ".", ".tmp")
 
     def _sync_dir(self) -> None:
         fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY)
@@ -656,7 +672,7 @@ class KVStore:
         path = self.dir / f"{check_conversation_id(conv_id)}.kv"
         with self._locked():
             try:
-                os.rmdir(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+                remove_file_or_empty_dir(path)
             except FileNotFoundError:
                 return False
             except OSError as e:
