@@ -336,10 +336,7 @@ class KVStore:
         except OSError:                                   # vanished or unreadable: a miss
             return 0
         except _Bad as e:
-            if e.kind == "link":
-                self._mend(name)
-            else:
-                self._discard(name, e, None)
+            self._discard(name, e, None)
             return 0
         if not self._ours(meta.header):
             if own:
@@ -381,10 +378,7 @@ class KVStore:
         except FileNotFoundError:
             return None                                   # evicted or removed by another process: a miss
         except _Bad as e:
-            if e.kind == "link":
-                self._mend(name)
-            else:
-                self._discard(name, e, meta)
+            self._discard(name, e, meta)
             return None
         except OSError as e:                              # unreadable (permissions, I/O error): not ours to remove
             self.warn(f"cannot read KV cache file {self.dir / (name + '.kv')}: {e.strerror}; "
@@ -458,7 +452,11 @@ class KVStore:
             self.warn(message)
 
     def _discard(self, name: str, bad: _Bad, meta: _Meta | None) -> None:
-        """Remove a bad entry (unless it was replaced by a new file meanwhile) and report it once."""
+        """Remove a bad entry (unless it was replaced by a new file meanwhile) and report it once; what is not
+        a regular file there (kind "link") is mended instead."""
+        if bad.kind == "link":
+            self._mend(name)
+            return
         path = self.dir / f"{name}.kv"
         try:
             st = meta.st if meta is not None else os.lstat(path)
