@@ -12,7 +12,7 @@ from jllm.model.hugepages import resident_huge_bytes
 from jllm.model.loader import load_model
 from jllm.model.qlinear import QLinear
 from jllm.spec import DRAFT_VOCAB
-from jllm.store import resolve
+from jllm.catalog import resolve
 from matrix_sets import interleaved
 
 

@@ -15,7 +15,7 @@ import statistics
 import sys
 
 from jllm.model.loader import load_model
-from jllm.store import resolve
+from jllm.catalog import resolve
 from matrix_sets import timed_pass
 
 

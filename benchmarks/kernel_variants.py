@@ -23,7 +23,7 @@ import torch.utils.cpp_extension as ext
 import jllm.kernels as kernels
 from jllm.model.loader import load_model
 from jllm.model.qlinear import GROUP_BYTES
-from jllm.store import resolve
+from jllm.catalog import resolve
 
 
 def load_sources(texts: dict[str, str], flags: list[str], root: Path, prefix: str):

@@ -37,7 +37,7 @@ def build_rev(rev: str):
 def forward_ab(old, which: str, tokens: list[int], rounds: int) -> None:
     from jllm.model.loader import load_model
     from jllm.spec import DRAFT_VOCAB
-    from jllm.store import resolve
+    from jllm.catalog import resolve
 
     if which == "draft":
         model = load_model(resolve("qwen2.5-coder-0.5b"), "cpu", "native4", output_rows=DRAFT_VOCAB)

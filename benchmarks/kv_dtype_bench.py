@@ -15,7 +15,7 @@ import torch
 
 from jllm.model.loader import load_model
 from jllm.spec import DRAFT_VOCAB
-from jllm.store import resolve
+from jllm.catalog import resolve
 
 
 def step_ms(model, ctx: int) -> dict[torch.dtype, float]:

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from jllm.model.loader import load_model
-from jllm.store import resolve
+from jllm.catalog import resolve
 
 DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "shared" / "reference" / "seed.txt"
 

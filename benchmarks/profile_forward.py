@@ -14,7 +14,7 @@ import torch
 
 from jllm.model import qlinear
 from jllm.model.loader import load_model
-from jllm.store import resolve
+from jllm.catalog import resolve
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ from jllm.sampling import SamplingParams
 from jllm.spec.bench import _run
 from jllm.spec.corpus import load_corpus
 from jllm.spec.decode import SpecConfig
-from jllm.store import resolve
+from jllm.catalog import resolve
 
 
 def main() -> None:

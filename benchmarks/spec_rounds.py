@@ -30,7 +30,7 @@ from jllm.sampling import SamplingParams  # noqa: E402
 from jllm.spec.bench import _run  # noqa: E402
 from jllm.spec.corpus import load_corpus  # noqa: E402
 from jllm.spec.decode import DraftGate, SpecConfig  # noqa: E402
-from jllm.store import resolve  # noqa: E402
+from jllm.catalog import resolve  # noqa: E402
 
 
 def timed(model, log: list, tag: str) -> None:

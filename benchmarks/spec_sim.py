@@ -33,7 +33,7 @@ def trace(a) -> None:
     from jllm.sampling import SamplingParams
     from jllm.spec.corpus import load_corpus
     from jllm.spec.decode import SpecConfig
-    from jllm.store import resolve
+    from jllm.catalog import resolve
 
     eng = Engine(str(resolve(a.model)), draft_path=str(resolve(a.draft)), spec=SpecConfig())
     draft = eng.draft.model
@@ -62,7 +62,7 @@ def costs(a) -> None:
     import random
 
     from jllm.model.loader import load_model
-    from jllm.store import resolve
+    from jllm.catalog import resolve
 
     tgt = load_model(resolve(a.model), "cpu", None)
     dr = load_model(resolve(a.draft), "cpu", "native4", output_rows=DRAFT_VOCAB)
@@ -238,7 +238,7 @@ def variant(a) -> None:
     """Draft variants against the recorded traces: how often the draft's top-1 equals the target's token,
     and the replayed speedup with the draft step's cost scaled by the share of its bytes it reads."""
     from jllm.model.loader import load_model
-    from jllm.store import resolve
+    from jllm.catalog import resolve
 
     data = json.loads(Path(a.traces).read_text())
     draft = load_model(resolve(a.draft), "cpu", "native4", output_rows=DRAFT_VOCAB)

@@ -71,7 +71,7 @@ def matrices(model) -> list[torch.Tensor]:
 def main() -> None:
     from jllm.model.loader import load_model
     from jllm.spec import DRAFT_VOCAB
-    from jllm.store import resolve
+    from jllm.catalog import resolve
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", default="qwen2.5-coder-1.5b")

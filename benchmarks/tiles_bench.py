@@ -15,7 +15,7 @@ import argparse
 from jllm.model import qlinear as ql
 from jllm.model.loader import load_model
 from jllm.spec import DRAFT_VOCAB
-from jllm.store import resolve
+from jllm.catalog import resolve
 from matrix_sets import interleaved
 
 

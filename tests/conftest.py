@@ -42,8 +42,8 @@ def native_kernels():
 
 @pytest.fixture(scope="session")
 def real_model():
-    """real_model(alias) -> Path of the GGUF file, downloaded and checked by jllm.store on first use."""
-    from jllm.store import resolve
+    """real_model(alias) -> Path of the GGUF file, downloaded and checked by jllm.catalog on first use."""
+    from jllm.catalog import resolve
 
     return lambda alias: resolve(alias)
 

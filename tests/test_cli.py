@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType
 from synthetic import write_tiny_model
 
 from jllm.gguf.reader import read_gguf
-from jllm.store import ALIASES
+from jllm.catalog import ALIASES
 
 REPO = Path(__file__).resolve().parents[1]
 TIMINGS = {"load_ms", "prompt_eval_ms", "prompt_tok_s", "decode_ms", "decode_tokens", "decode_tok_s"}

@@ -13,7 +13,7 @@ def load(model: str, draft: str | None = None, **engine_args):
     model for speculative decoding; engine_args go to jllm.engine.Engine (device, precision, ctx_size, ...)."""
     from jllm.engine import Engine
     from jllm.spec.decode import SpecConfig
-    from jllm.store import resolve
+    from jllm.catalog import resolve
 
     if draft is not None:
         engine_args.setdefault("spec", SpecConfig())

@@ -138,7 +138,7 @@ def perplexity(eng, text: str, max_tokens: int = 1024, chunk: int = 256) -> tupl
 
 def run_bench(a) -> int:
     from jllm.engine import Engine
-    from jllm.store import resolve
+    from jllm.catalog import resolve
 
     ctx = max(a.ctx_size, a.prompt_tokens + a.decode_tokens + a.max_k + 16)
     eng = Engine(str(resolve(a.model)), device=a.device, precision=a.precision, ctx_size=ctx, threads=a.threads)

@@ -17,7 +17,7 @@ from jllm.tokenizer.unicode import well_formed
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
-    from jllm.store import DEFAULT_TARGET
+    from jllm.catalog import DEFAULT_TARGET
 
     p.add_argument("-m", "--model", default=DEFAULT_TARGET, help=f"alias or .gguf path (default {DEFAULT_TARGET})")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
@@ -56,7 +56,7 @@ def _params(a: argparse.Namespace):
 
 def _engine(a: argparse.Namespace, kv_cache: bool = False):
     from jllm.engine import Engine
-    from jllm.store import needs_download, resolve
+    from jllm.catalog import needs_download, resolve
 
     kv_dir = str(_cache_dir(a)) if kv_cache else None
     _check_sizes(a)
@@ -387,7 +387,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     """An OpenAI-compatible HTTP server over one engine (jllm/server/app.py), until Ctrl-C."""
     import logging
 
-    from jllm.store import ALIASES
+    from jllm.catalog import ALIASES
 
     if not 0 <= a.port <= 65535:
         raise JllmError(f"--port must be in 0..65535, got {a.port}")
@@ -442,7 +442,7 @@ def _listen(host: str, port: int):
 
 
 def cmd_models(a: argparse.Namespace) -> int:
-    from jllm.store import list_models, models_dir, pull
+    from jllm.catalog import list_models, models_dir, pull
 
     if a.action == "pull":
         if not a.alias:
@@ -463,7 +463,7 @@ def cmd_inspect(a: argparse.Namespace) -> int:
 
     from jllm.gguf.reader import read_gguf
     from jllm.model.config import config_from_gguf
-    from jllm.store import resolve
+    from jllm.catalog import resolve
 
     g = read_gguf(resolve(a.file, progress=True))
     cfg = config_from_gguf(g.metadata, set(g.tensors), str(g.path))
@@ -502,7 +502,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
 def cmd_plan(a: argparse.Namespace) -> int:
     from jllm.plan import check_limit, plan, print_plan
-    from jllm.store import resolve
+    from jllm.catalog import resolve
 
     _check_sizes(a)
     rows = plan(str(resolve(a.model)), str(resolve(a.draft_model)) if a.draft_model else None, a.ctx_size,

@@ -43,7 +43,7 @@ def _turn(model: str, conv: str, message: str, cache_dir: str, extra: list[str],
 
 def run(a) -> int:
     from jllm.gguf.reader import read_gguf
-    from jllm.store import resolve
+    from jllm.catalog import resolve
     from jllm.tokenizer.tokenizer import Tokenizer
 
     model = str(resolve(a.model))

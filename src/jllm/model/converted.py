@@ -42,7 +42,7 @@ def cache_key(gguf_path: Path, precision: str) -> str:
 
 
 def converted_dir() -> Path:
-    from jllm.store import models_dir
+    from jllm.catalog import models_dir
 
     return Path(os.environ.get("JLLM_CONVERTED_DIR") or models_dir() / "converted")
 

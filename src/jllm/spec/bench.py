@@ -112,7 +112,7 @@ def make_draft_wrong(eng) -> None:
 def run(a) -> int:
     from jllm.engine import Engine
     from jllm.spec.decode import SpecConfig
-    from jllm.store import resolve
+    from jllm.catalog import resolve
 
     draft = str(resolve(a.draft_model)) if a.draft_model else None
     mode = a.spec_mode or ("auto" if draft else "ngram")

