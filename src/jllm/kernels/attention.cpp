@@ -10,13 +10,10 @@
 // What a query gets does not depend on the other queries of its call: a key's score is summed by the same
 // tree in every lane, whatever block it sits in; the softmax runs over the query's keys from its own first
 // one; the value sums run key by key in order. So the verify pass of speculative decoding gets bitwise the
-// result of single decode steps. (torch's SDPA splits work differently for different query counts, so jllm
-// used to call it once per query: ~50 us a call, 13 ms of a 9-token verify pass on the 1.5B.)
-// Against an item per (query, kv head) that converted each key for every query head (the kernel before
-// session 9, bitwise the same results; medians of 200 calls, f16 cache, context 300): the 1.5B's 12 / 2 heads
-// of 128, five queries 72.9 -> 60.9 us, one 16.4 -> 16.0; the 0.5B's 14 / 2 heads of 64, one query 11.9 ->
-// 10.3, two 21.5 -> 17.0; a 256-query prefill chunk 5.13 -> 4.17 ms. Most of what remains is the
-// multiply-adds themselves (one 512-bit FMA a cycle on Zen 4).
+// result of single decode steps. (torch's SDPA splits work differently for different query counts, so it
+// would have to be called once per query, which is too slow for a verify pass.)
+// Grouping the queries and query heads of a kv head converts each key once per item instead of once per query
+// head; what remains is mostly the multiply-adds themselves (BENCHMARKS.md, "A forward pass in one native call").
 // The cache holds keys and values in f32 or f16 (half the bytes to read per step; converted to f32 on load,
 // exactly, so the arithmetic is the same).
 
@@ -66,9 +63,8 @@ __attribute__((always_inline)) inline void dots(const float* q, const float* kb,
 }
 
 // The scores of 16 keys with one query head. AVX-512 runs 16 accumulators at once (its 32 registers); AVX2
-// four at a time, as sixteen would take all of its 16 registers twice over (context 500, five queries:
-// 0.261 -> 0.225 ms a layer, and at context 1,000 0.515 -> 0.394; benchmarks/attention_bench.py). The same
-// products and the same tree either way: bitwise the same scores.
+// four at a time, as sixteen would take all of its 16 registers twice over and spill (BENCHMARKS.md, "AVX2
+// kernels"). The same products and the same tree either way: bitwise the same scores.
 template <int C>
 __attribute__((always_inline)) inline vf scores16(const float* q, const float* kb) {
     vf t[4];

@@ -44,8 +44,7 @@ namespace {
 
 // Activation rows computed together against one tile (up to kMaxRows when that covers the whole call: a
 // verify pass of k + 1 <= 10 rows is one chunk). 8 also on AVX2, though 8 rows' sums spill some of its 16
-// registers: all target matrices at M = 64 (a prefill chunk), 8 interleaved rounds, 705 ms against 733-750
-// with chunks of 4-6 rows and 865 against 818 with 10 (benchmarks/kernel_variants.py, -DJLLM_CHUNK_ROWS=N).
+// registers: for prefill chunks it beat 4-6 and 10 (BENCHMARKS.md, "Prefill"; -DJLLM_CHUNK_ROWS=N).
 #ifndef JLLM_CHUNK_ROWS
 #define JLLM_CHUNK_ROWS 8
 #endif
@@ -124,10 +123,10 @@ inline void nibbles(const uint8_t* p, __m512i plane0, __m512i plane1, const int3
     __m512i hi;
     if constexpr (kGfni && R == 1) {
         // one row: each byte's high nibble moved down by one affine bit-matrix op (GF(2)) instead of shift
-        // and mask, one instruction fewer (draft-sized matrices: 10.6-11.4 -> 9.6-10.4 ms). With more rows
-        // the multiplies are the limit, and on Zen 4 the affine op takes a cycle of the multiply pipes
-        // where shift and mask go elsewhere: target matrices, 5 rows, 21.60 -> 20.22 ms in cache and
-        // 44.07 -> 42.55 ms from memory, the draft's 14.10 -> 13.77 (11 interleaved rounds).
+        // and mask, one instruction fewer, while the row waits on memory anyway. With more rows the
+        // multiplies are the limit, and on Zen 4 the affine op takes a cycle of the multiply pipes where
+        // shift and mask go elsewhere, so they use shift and mask (BENCHMARKS.md, "Where the kernel's time
+        // goes").
         hi = _mm512_gf2p8affine_epi64_epi8(v, _mm512_set1_epi64(0x1020408000000000LL), 0);
     } else {
         hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
@@ -246,9 +245,8 @@ __attribute__((always_inline)) inline void nibbles(const uint8_t* p, const int32
         }
         // The empty asm keeps each sum in a register, in this order: otherwise GCC regroups the integer adds
         // into one tree over all the block's products, which keeps them all live and spills most of them
-        // (AVX2 has 16 registers): compact tiles, one thread, in L2, 5 / 9 rows 47.6 / 103.7 -> 36.6 / 61.0 ns
-        // a block. Each row then costs ~7 ns a block (~22 cycles at 3.16 GHz), though its 16 vpmaddubsw issue
-        // in 8: the other ops share the four FP pipes (tile_both says which, and how it spends fewer).
+        // (AVX2 has 16 registers; BENCHMARKS.md, "AVX2 kernels"). A row's 16 vpmaddubsw issue in 8 cycles, but
+        // the other ops of a block share the same four FP pipes (tile_both says which, and how it spends fewer).
         if constexpr (H == 1)
             __asm__("" : "+x"(s[r]));
         else
@@ -332,18 +330,13 @@ inline void tile_rows(const uint8_t* w, int64_t nb, int64_t per_super, const int
             in_super = per_super - 1;
         }
         iv ia[R];
-        // With several rows, ask for the weights a few blocks ahead into L1, so memory streams while this block
-        // computes, and much further ahead into L2: the compute per block is long enough to starve the stream
-        // (verify passes: M = 5 went from 1.24-1.49x of M = 1 to 1.14-1.20x, benchmarks/kernel_stream.py).
-        // One row is left to the hardware prefetcher, which follows its single stream better: all matrices
-        // of a step, 15-21 interleaved rounds, target 21.73 -> 21.22 ms and 31.44 -> 30.77, draft 6.47 ->
-        // 6.03 and 7.85 -> 7.77 (fast and slow memory phases). 4 KiB ahead into L1 rather than 2: all target
-        // matrices in a fast phase, 137 interleaved rounds, M = 2 / 3 / 4 / 5 went 25.35 / 27.55 / 29.47 /
-        // 33.16 -> 22.24 / 23.18 / 25.78 / 30.22 ms (M = 1 19.7); in a slow phase M = 5 35.91 -> 33.20. Without
-        // the far prefetch M = 5 is 37.7; 6-8 KiB ahead is no better.
-        // The far prefetch only from three rows: for two it cost 1.5 ms of a step in a slow phase (all target
-        // matrices, 300 interleaved rounds: M = 2 32.35 -> 30.87 ms slow, 23.08 -> 23.04 fast; M = 3 needs it).
-        // (AVX2: the second half's pass reads what the first brought into cache.)
+        // With several rows, ask for the weights a few blocks ahead into L1 (kPrefetch, 4 KiB), so memory
+        // streams while this block computes, and much further ahead into L2 (kPrefetchL2) from kFarRows rows:
+        // the compute per block is then long enough to starve the stream. One row is left to the hardware
+        // prefetcher, which follows a single stream better; for two rows the far prefetch costs more than it
+        // brings. Measured distances and row counts: BENCHMARKS.md, "Prefetch distance for several rows" and
+        // "A forward pass in one native call". (AVX2: the second half's pass reads what the first brought
+        // into cache.)
         if constexpr (R >= 2) {
             if (lane0 == 0)
                 for (int l = 0; l < lines; ++l) _mm_prefetch((const char*)p + kPrefetch + 64 * l, _MM_HINT_T0);
@@ -383,8 +376,8 @@ inline void tile_rows(const uint8_t* w, int64_t nb, int64_t per_super, const int
 // Why it pays: on Zen 3 vpmaddubsw issues two a cycle (FP0, FP3), and a row's block of 512 products needs 16 of
 // them, 8 cycles; but every other vector op takes a slot of the same four FP pipes, and a broadcast from memory
 // one of FP1 / FP2 (llvm-mca -mcpu=znver3 agrees). Two passes spend ~60 such ops a row and block: 16 products,
-// 16 broadcasts, 14 adds, 14 for the scales. Sharing the broadcasts drops 10 of them. All target matrices, 16
-// interleaved rounds: M = 1 / 2 / 3 / 4 from 45.20 / 52.06 / 59.89 / 67.14 to 42.60 / 41.62 / 51.14 / 62.29 ms.
+// 16 broadcasts, 14 adds, 14 for the scales. Sharing the broadcasts drops 10 of them (BENCHMARKS.md, "AVX2
+// kernels").
 template <int R, int KIND>
 void tile_both(const uint8_t* w, int64_t nb, int64_t per_super, const int8_t* xq, const float* dx, const float* bsx,
                int64_t K, float* y, int64_t ldy, int valid, const float* bias, int) {
@@ -400,9 +393,9 @@ void tile_both(const uint8_t* w, int64_t nb, int64_t per_super, const int8_t* xq
             p += 64;
             in_super = per_super - 1;
         }
-        // Into L1 also for one row, unlike tile_rows on AVX-512: all target matrices, M = 1, 20 interleaved
-        // rounds, 40.29 -> 37.19 ms in a fast memory phase and 43.58 -> 40.40 in a slow one. The far prefetch
-        // from one or two rows was no better (M = 1 35.68 / 33.08 against 32.46 ms).
+        // Into L1 also for one row, unlike tile_rows on AVX-512: here one row's pass is long enough that the
+        // hardware prefetcher alone falls behind. The far prefetch stays at kFarRows rows, as there
+        // (BENCHMARKS.md, "AVX2 kernels").
         for (int l = 0; l < lines; ++l) _mm_prefetch((const char*)p + kPrefetch + 64 * l, _MM_HINT_T0);
         if constexpr (R >= kFarRows)
             for (int l = 0; l < lines; ++l) _mm_prefetch((const char*)p + kPrefetchL2 + 64 * l, _MM_HINT_T1);
@@ -451,16 +444,15 @@ constexpr TileFn kByRows[kMaxRows + 1] = {nullptr, tile_rows<1, KIND>, tile_rows
                                         tile_rows<10, KIND>};
 constexpr const TileFn* kTile[4] = {kByRows<kEight>, kByRows<kFour>, kByRows<kCompact>, kByRows<kSix>};
 // AVX2's one-pass tiles (tile_both); the AVX-512 build has none.
-// Rows a one-pass group takes: 4 is best. All target matrices, interleaved rounds (benchmarks/kernel_variants.py,
-// -DJLLM_BOTH_ROWS=N): 5 or 6 rows in one group were no faster than two passes, 8 slower (105 against 98 ms),
-// while groups of up to 4 took M = 5 / 6 / 8 from 78.4 / 91.1 / 112.3 to 72.2 / 80.3 / 102.1 ms.
+// Rows a one-pass group takes (-DJLLM_BOTH_ROWS=N): 4. With 5 or more the sums of both halves no longer fit
+// AVX2's 16 registers and spill, which made one group of 5-8 rows no faster than two passes (BENCHMARKS.md,
+// "AVX2 kernels").
 #ifndef JLLM_BOTH_ROWS
 #define JLLM_BOTH_ROWS 4
 #endif
 constexpr int kBothRows = JLLM_BOTH_ROWS;    // 0: tile_rows only
-// 6-bit tiles (-DJLLM_BOTH_SIX=0 / 1 / 2: never / up to kBothRows rows / also in groups): all target matrices,
-// M = 1 / 3 / 5 / 8, 12 interleaved rounds, 40.14 / 42.04 / 61.13 / 84.32 ms with none, 38.28 / 35.22 / 59.10 /
-// 84.42 up to 4 rows, 38.21 / 37.04 / 58.21 / 88.46 in groups as well.
+// 6-bit tiles (-DJLLM_BOTH_SIX=0 / 1 / 2: never / up to kBothRows rows / also in groups): up to kBothRows rows
+// in one pass, more a half at a time; groups of 6-bit tiles did not pay (BENCHMARKS.md, "AVX2 kernels").
 #ifndef JLLM_BOTH_SIX
 #define JLLM_BOTH_SIX 1
 #endif
@@ -479,9 +471,8 @@ inline TileFn both_tile(int kind, int rows, int valid) {
 #else
 inline TileFn both_tile(int, int, int) { return nullptr; }
 #endif
-// Groups (-DJLLM_GROUPS=0 / 1 / 2: none, more rows then a pass a half / near-equal / as full as possible): all
-// target matrices, 14 interleaved rounds, M = 4 / 5 / 6 / 9 took 48.97 / 73.74 / 78.06 / 108.63 ms without,
-// 45.74 / 60.82 / 73.14 / 101.89 in near-equal groups, 45.35 / 66.47 / 71.43 / 100.84 in full ones.
+// Groups (-DJLLM_GROUPS=0 / 1 / 2: none, more rows then a pass a half / near-equal / as full as possible):
+// near-equal groups, so that no group is left with one or two rows (BENCHMARKS.md, "AVX2 kernels").
 #ifndef JLLM_GROUPS
 #define JLLM_GROUPS 1
 #endif
@@ -494,12 +485,9 @@ inline bool one_pass_groups(int kind, int rows, int valid) {
 
 // Decode steps and verify passes (one tile a group): each thread streams its own contiguous share, claiming
 // JLLM_STEAL bytes of tiles at a time, and then takes what is left of the others' shares (0: static shares).
-// The static halves left one thread idle at the end of every matrix while the other finished (perf: ~12 % of
-// a draft step's samples spinning in libgomp). AVX2 Zen 3, slow memory phase, interleaved rounds
-// (benchmarks/kernel_variants.py): draft matrices M = 1 / 2 / 3 9.74 / 9.60 / 11.82 -> 9.34 / 9.36 / 10.91 ms
-// with 32 KiB, and 10.27 / 11.38 (M = 1 / 3) -> 10.27 / 10.59 (32 KiB), 10.02 / 10.41 (64), 9.94 / 10.27 (128);
-// target matrices M = 1 / 3 / 4 / 5 40.88 / 50.55 / 61.50 / 82.04 -> 39.16 / 50.07 / 60.35 / 78.59 (128 KiB).
-// The tiles are independent, so which thread computes one does not change a bit.
+// Static halves left one thread idle at the end of every matrix while the other finished: the two halves,
+// equal in bytes, do not stream at equal speed, and a draft step has ~100 matrices (BENCHMARKS.md, "AVX2
+// kernels"). The tiles are independent, so which thread computes one does not change a bit.
 #ifndef JLLM_STEAL
 #define JLLM_STEAL 131072
 #endif
@@ -535,8 +523,7 @@ void qmatmul_raw(const float* x, int64_t M, int64_t K, const QView& w, float* y,
     const int64_t nb = K / 32, T = w.tiles, n = w.n;
     // The quantized activations go to buffers of the calling thread, kept between calls (they grow to the
     // largest call, a few MB for a prefill chunk): three tensor allocations fewer a call, of which the draft
-    // makes ~100 a step (its matrices, 60 interleaved rounds: M = 1 7.19 -> 6.95 ms in a slow memory phase,
-    // M = 2 6.51 -> 6.22 in a fast one; benchmarks/kernel_variants.py).
+    // makes ~100 a step, each serial time with the other thread idle.
     thread_local std::vector<int8_t> xq_buf;
     thread_local std::vector<float> scale_buf;
     xq_buf.resize((size_t)(M * K));
@@ -553,10 +540,9 @@ void qmatmul_raw(const float* x, int64_t M, int64_t K, const QView& w, float* y,
     // Tiles are processed in groups whose weights stay in cache while every row chunk passes over them.
     const int64_t tile_bytes = std::max<int64_t>(1, (off[T] - off[0]) / T);
     // With one chunk of rows (M <= kMaxRows: decode steps, verify passes) there is nothing to reuse: a group
-    // is one tile, and the threads share them by stealing (kSteal). Groups of 96 KiB split the draft's smaller
-    // matrices 4 : 3 (its attention projections are 7 groups), and the thread with less work waited. All draft
-    // matrices, 59 interleaved rounds: M = 1 4.95 -> 4.85 ms; the target's M = 1 / 3 / 5 29.11 / 30.70 /
-    // 31.54 -> 29.05 / 30.64 / 31.14 (benchmarks/kernel_variants.py).
+    // is one tile, and the threads share them by stealing (kSteal). Groups of 96 KiB would split the draft's
+    // smaller matrices unevenly (its attention projections are 7 groups: 4 : 3), and the thread with less work
+    // would wait.
     const int64_t group = M <= kMaxRows ? 1 : std::max<int64_t>(1, group_bytes / tile_bytes);
     const int64_t ngroups = (T + group - 1) / group;
     const auto run_group = [&](int64_t g) {
