@@ -12,8 +12,8 @@ The key hashes the GGUF's absolute path, size and modification time, the precisi
 version, so a changed file is converted afresh. Tensors are read one at a time with plain file reads, so peak
 memory stays at the final weights plus one matrix. Not memory-mapped, on purpose: mapped weights are page
 cache, which this machine kind's proactive reclaim (DAMON) evicts while a chat sits idle; the next token then
-waits on the disk (measured: the first prompt after a mapped load decoded at 9.9 tok/s instead of 22). Read
-into process memory they stay put; a hot read of the 1.5B's 1.1 GB takes ~0.45 s, a cold one disk time.
+waits on the disk (BENCHMARKS.md, "Memory and load"). Read into process memory they stay put, and a hot
+read costs well under a second.
 """
 
 from __future__ import annotations

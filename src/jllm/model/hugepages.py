@@ -3,13 +3,12 @@
 Why: a decode step of the 1.5B reads ~1.2 GB of weights. On 4 KiB pages that is ~290,000 pages a token, a
 TLB miss for each, and the hardware prefetchers stop at every page boundary. Linux backs anonymous memory
 with transparent huge pages only where a region asks for them (the default mode, "madvise"), and glibc gives
-each large allocation a private mapping that does not ask. Measured on this machine kind
-(benchmarks/hugepages_bench.py, BENCHMARKS.md "Huge pages"), all matrices of one decode step ran 6 % faster
-for the 1.5B target and 4-17 % faster for the 0.5B draft from huge pages than from ordinary ones.
+each large allocation a private mapping that does not ask. So this module maps 2 MiB-aligned regions
+itself and advises them MADV_HUGEPAGE: a step's matrices then stream faster, the draft's small ones most.
 
-Cost: loading takes longer, since the kernel hands out and zeroes whole 2 MiB pages (cached 1.5B load
-1.4-2.6 s against 0.9-1.1 s on this machine kind). Where huge pages are not offered (another OS, THP set to
-"never"), or with JLLM_NO_HUGEPAGES=1 set, the same calls return ordinary memory.
+Cost: loading takes longer, since the kernel hands out and zeroes whole 2 MiB pages. Both are measured in
+BENCHMARKS.md, "Huge pages" (benchmarks/hugepages_bench.py). Where huge pages are not offered (another OS, THP
+set to "never"), or with JLLM_NO_HUGEPAGES=1 set, the same calls return ordinary memory.
 """
 
 from __future__ import annotations
