@@ -1,0 +1,234 @@
+"""Training data by self-distillation: prompts the target writes itself or that are made from installed
+packages' files, and the target's own replies, kept as token ids of jllm's tokenizer.
+
+Prompt sources (none from jllm/spec/corpus.json or any public benchmark or evaluation set):
+- magpie: the chat template rendered up to the start of a user message; the target samples the user text
+  (Xu et al., 2024, "Magpie: Alignment Data Synthesis from Scratch by Prompting Aligned LLMs with Nothing").
+- package: a snippet of a .py, .md or .rst file shipped inside an installed Python package (site-packages,
+  jllm itself excluded), wrapped in an instruction: explain, write tests for, refactor, find bugs in,
+  translate to another language, summarize.
+Replies are the target's own, greedy or sampled, up to an end-of-turn token or `max_new` tokens.
+
+On disk (one .npz, FORMAT_VERSION 1): tokens int32 [N] (all conversations concatenated), offsets int64
+[n + 1], reply_start int32 [n] (index within its conversation where the reply begins), source int8 [n]
+(0 magpie, 1 package), sampled int8 [n], and meta: a JSON string with the format version, the target's file
+name and its tokenizer's fingerprint (a file made for another tokenizer is refused).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import site
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from jllm.errors import JllmError
+
+FORMAT_VERSION = 1
+SOURCES = ("magpie", "package")
+_SENTINEL = "\x00USER\x00"
+
+CODE_TASKS = (
+    "Explain what the following code does, step by step:\n\n```{lang}\n{text}\n```",
+    "Write unit tests for this code:\n\n```{lang}\n{text}\n```",
+    "Refactor this code to be easier to read, keeping its behaviour:\n\n```{lang}\n{text}\n```",
+    "Are there bugs or unhandled edge cases in this code? Explain and fix them.\n\n```{lang}\n{text}\n```",
+    "Translate this code to {other}:\n\n```{lang}\n{text}\n```",
+    "Add type hints and docstrings to this code:\n\n```{lang}\n{text}\n```",
+)
+DOC_TASKS = (
+    "Summarize this documentation in a few sentences:\n\n{text}",
+    "Explain this to a beginner, with a short example:\n\n{text}",
+    "Write a code example that uses what this documentation describes:\n\n{text}",
+)
+OTHER_LANGUAGES = ("JavaScript", "TypeScript", "Rust", "Go", "C++", "Java", "C#", "Kotlin")
+
+
+@dataclass
+class Conversations:
+    """Prompt + reply token ids of each conversation; the loss covers the reply only."""
+    tokens: np.ndarray          # int32 [N]
+    offsets: np.ndarray         # int64 [n + 1]
+    reply_start: np.ndarray     # int32 [n]
+    source: np.ndarray          # int8 [n]
+    sampled: np.ndarray         # int8 [n]
+    meta: dict
+
+    def __len__(self) -> int:
+        return len(self.reply_start)
+
+    def ids(self, i: int) -> np.ndarray:
+        return self.tokens[self.offsets[i]:self.offsets[i + 1]]
+
+    def reply_tokens(self) -> int:
+        return int((self.offsets[1:] - self.offsets[:-1] - self.reply_start).sum())
+
+    def save(self, path) -> None:
+        np.savez_compressed(path, tokens=self.tokens, offsets=self.offsets, reply_start=self.reply_start,
+                            source=self.source, sampled=self.sampled, meta=np.array(json.dumps(self.meta)))
+
+    @classmethod
+    def load(cls, path, fingerprint: str | None = None) -> "Conversations":
+        with np.load(path) as z:
+            meta = json.loads(str(z["meta"]))
+            if meta.get("version") != FORMAT_VERSION:
+                raise JllmError(f"{path}: training data of format {meta.get('version')}, this jllm reads "
+                                f"{FORMAT_VERSION}; make it again")
+            if fingerprint is not None and meta.get("tokenizer") != fingerprint:
+                raise JllmError(f"{path}: made with another tokenizer (that of {meta.get('target')}); "
+                                f"make the data again for this target")
+            return cls(z["tokens"], z["offsets"], z["reply_start"], z["source"], z["sampled"], meta)
+
+    @classmethod
+    def build(cls, rows: list[tuple[list[int], list[int], int, bool]], meta: dict) -> "Conversations":
+        """rows: (prompt ids, reply ids, source index, sampled)."""
+        lengths = [len(p) + len(r) for p, r, _, _ in rows]
+        tokens = np.fromiter((t for p, r, _, _ in rows for t in (*p, *r)), dtype=np.int32, count=sum(lengths))
+        return cls(tokens, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+                   np.array([len(p) for p, _, _, _ in rows], dtype=np.int32),
+                   np.array([s for _, _, s, _ in rows], dtype=np.int8),
+                   np.array([s for _, _, _, s in rows], dtype=np.int8), dict(meta, version=FORMAT_VERSION))
+
+
+# ---------------------------------------------------------------------------------------------- prompts
+
+
+def user_prefix(template, tokenizer) -> list[int]:
+    """The ids of the chat template rendered up to where a user message's text begins (Magpie)."""
+    text = template.render([{"role": "user", "content": _SENTINEL}], add_generation_prompt=False)
+    cut = text.find(_SENTINEL)
+    if cut < 0:
+        raise JllmError(f"{template.origin} does not write the user's text as given; cannot make Magpie prompts")
+    return tokenizer.encode(text[:cut])
+
+
+def chat_prompt(template, tokenizer, user_text: str) -> list[int]:
+    """The ids jllm's chat gives the target for one user turn (the reply follows them)."""
+    return tokenizer.encode(template.render([{"role": "user", "content": user_text}], add_generation_prompt=True))
+
+
+def package_files(roots: list[str] | None = None, limit: int = 50000) -> list[Path]:
+    """.py, .md and .rst files under site-packages (jllm's own excluded), at most `limit`, sorted."""
+    if roots is None:
+        roots = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
+                        *site.getsitepackages()})
+    found: list[Path] = []
+    for root in roots:
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames[:] = sorted(d for d in dirnames if d != "jllm" and not d.startswith(("jllm-", ".")))
+            for f in sorted(filenames):
+                if f.endswith((".py", ".md", ".rst")):
+                    found.append(Path(dirpath, f))
+                    if len(found) >= limit:
+                        return found
+    return found
+
+
+def package_prompts(n: int, rng: random.Random, files: list[Path] | None = None,
+                    min_lines: int = 12, max_lines: int = 60, max_chars: int = 3000) -> list[str]:
+    """n instructions over snippets of installed packages' files."""
+    files = package_files() if files is None else files
+    if not files:
+        raise JllmError("no .py/.md/.rst files found in site-packages to make prompts from")
+    prompts: list[str] = []
+    tries = 0
+    while len(prompts) < n and tries < 20 * n + 100:
+        tries += 1
+        path = rng.choice(files)
+        try:
+            if path.stat().st_size > 400_000:
+                continue
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError):
+            continue
+        if len(lines) < min_lines:
+            continue
+        size = rng.randint(min_lines, max_lines)
+        start = rng.randint(0, max(0, len(lines) - size))
+        text = "\n".join(lines[start:start + size]).strip()[:max_chars]
+        if len(text) < 200:
+            continue
+        if path.suffix == ".py":
+            task = rng.choice(CODE_TASKS).format(lang="python", text=text, other=rng.choice(OTHER_LANGUAGES))
+        else:
+            task = rng.choice(DOC_TASKS).format(text=text)
+        prompts.append(task)
+    return prompts
+
+
+# ---------------------------------------------------------------------------------------------- generation
+
+
+def _batches(items: list, size: int):
+    for i in range(0, len(items), size):
+        yield items[i:i + size]
+
+
+def magpie_users(target, n: int, batch: int, max_new: int, seed: int) -> list[str]:
+    """n user turns sampled by the target from its template's user prefix (empty and marked-up ones dropped)."""
+    tok = target.tokenizer
+    prefix = user_prefix(target.template, tok)
+    users: list[str] = []
+    round_ = 0
+    while len(users) < n and round_ < 4 * (n // max(batch, 1) + 1):
+        outs = target.generate([prefix] * min(batch, 2 * (n - len(users))), max_new, sample=True,
+                               temperature=1.0, top_p=0.99, seed=seed + round_)
+        round_ += 1
+        for ids in outs:
+            if not ids or ids[-1] not in tok.eot_ids:
+                continue                                  # ran out of tokens: not a finished question
+            text = tok.decode(ids[:-1], skip_special=False).strip()
+            if len(text) >= 8 and not any(tok.is_special(t) for t in ids[:-1]):
+                users.append(text)
+    return users[:n]
+
+
+def generate(target, n_magpie: int, n_package: int, max_new: int = 512, batch: int = 32,
+             user_max_new: int = 128, sampled_frac: float = 0.5, max_prompt: int = 1024, seed: int = 0,
+             files: list[Path] | None = None, log=print) -> Conversations:
+    """Self-distilled conversations: the prompts of both sources, the target's replies to them."""
+    rng = random.Random(seed)
+    tok, tpl = target.tokenizer, target.template
+    t0 = time.perf_counter()
+    users = [(u, 0) for u in magpie_users(target, n_magpie, batch, user_max_new, seed)] if n_magpie else []
+    t1 = time.perf_counter()
+    users += [(u, 1) for u in package_prompts(n_package, rng, files)] if n_package else []
+    prompts = [(chat_prompt(tpl, tok, u), s) for u, s in users]
+    prompts = [(p, s, rng.random() < sampled_frac) for p, s in prompts if len(p) <= max_prompt]
+    prompts.sort(key=lambda x: (x[2], len(x[0])))            # like lengths together: less padding
+    rows = []
+    for chunk in _batches(prompts, batch):
+        for mode in (False, True):
+            part = [x for x in chunk if x[2] == mode]
+            if not part:
+                continue
+            replies = target.generate([p for p, _, _ in part], max_new, sample=mode, temperature=0.8,
+                                      top_p=0.95, seed=seed + len(rows))
+            rows += [(p, r, s, m) for (p, s, m), r in zip(part, replies) if r]
+    t2 = time.perf_counter()
+    conv = Conversations.build(rows, dict(target=Path(target.path).name, tokenizer=tok.fingerprint(),
+                                          max_new=max_new, seed=seed))
+    log(f"data: {len(conv)} conversations ({sum(s == 0 for _, _, s, _ in rows)} magpie, "
+        f"{sum(s == 1 for _, _, s, _ in rows)} package), {conv.reply_tokens()} reply tokens, "
+        f"{len(conv.tokens)} in all; user turns {t1 - t0:.1f} s, replies {t2 - t1:.1f} s")
+    return conv
+
+
+def draft_vocab(conv: Conversations, vocab_size: int, n: int, always=()) -> np.ndarray:
+    """d2t: the ids of the draft vocabulary, ascending: `always` (the end-of-turn ids), then the target's most
+    frequent reply tokens, then its most frequent prompt tokens, then the lowest unused ids; min(n, vocab)."""
+    n = min(n, vocab_size)
+    reply = np.zeros(vocab_size, dtype=np.int64)
+    every = np.bincount(conv.tokens, minlength=vocab_size)[:vocab_size]
+    for i in range(len(conv)):
+        ids = conv.ids(i)[conv.reply_start[i]:]
+        reply += np.bincount(ids, minlength=vocab_size)[:vocab_size]
+    key = np.lexsort((np.arange(vocab_size), -every, -reply))   # reply count, then overall count, then id
+    chosen = list(dict.fromkeys([int(t) for t in always if t < vocab_size] + key.tolist()))[:n]
+    return np.array(sorted(chosen), dtype=np.int64)

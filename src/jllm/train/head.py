@@ -1,0 +1,213 @@
+"""Train an EAGLE-3 head for a GGUF target and write it as llama.cpp's eagle3 GGUF, end to end:
+
+    python -m jllm.train.head -m TARGET.gguf -o HEAD.gguf --device cuda [--data DATA.npz]
+
+1. data (data.py): Magpie user turns and prompts made from installed packages' files, the target's own
+   replies; saved to --data (token ids, a few MB) and reused when that file exists.
+2. the target (target.py) on the device: for each training batch, its three layers' inputs and its logits.
+3. training (eagle3.py): AdamW, warm-up then cosine decay, the TTT loss over --ttt unrolled steps.
+4. the GGUF (export.py), quantized to --qtype.
+Prints each phase's time and the training curve (per step loss and top-1 agreement with the target).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from jllm.errors import JllmError
+from jllm.train import data as data_mod
+from jllm.train.eagle3 import Eagle3Head, HeadConfig
+from jllm.train.export import file_bytes, write_head
+from jllm.train.target import Target, load_target
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 2000
+    lr: float = 3e-4
+    warmup: int = 100
+    batch_tokens: int = 16384        # padded tokens per batch (B * T)
+    max_len: int = 2048              # conversations are cut to this many tokens
+    ttt: int = 7                     # unrolled draft steps
+    decay: float = 0.8               # loss weight of step j: decay ** j
+    clip: float = 0.5
+    seed: int = 0
+    log_every: int = 50
+
+    def __post_init__(self):
+        if self.steps < 1 or self.ttt < 1 or self.batch_tokens < self.max_len or self.lr <= 0:
+            raise JllmError(f"bad training settings: {self}")
+
+
+@dataclass
+class History:
+    loss: list[float] = field(default_factory=list)          # weighted TTT loss per optimizer step
+    step_loss: list[list[float]] = field(default_factory=list)
+    step_acc: list[list[float]] = field(default_factory=list)
+    tokens: int = 0
+    target_s: float = 0.0
+    head_s: float = 0.0
+
+
+def make_batches(conv: data_mod.Conversations, max_len: int, batch_tokens: int) -> list[list[int]]:
+    """Conversation indices grouped by length so that B * (longest) <= batch_tokens."""
+    lengths = np.minimum(conv.offsets[1:] - conv.offsets[:-1], max_len)
+    order = np.argsort(lengths, kind="stable")
+    batches, cur = [], []
+    for i in order:
+        if cur and (len(cur) + 1) * int(lengths[i]) > batch_tokens:
+            batches.append(cur)
+            cur = []
+        cur.append(int(i))
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def collate(conv: data_mod.Conversations, idx: list[int], max_len: int, pad: int, device):
+    """-> ids [B, T] right-padded with `pad`, lengths [B], reply_start [B], on `device`."""
+    rows = [conv.ids(i)[:max_len] for i in idx]
+    T = max(len(r) for r in rows)
+    ids = torch.full((len(rows), T), pad, dtype=torch.long)
+    for b, r in enumerate(rows):
+        ids[b, :len(r)] = torch.from_numpy(r.astype(np.int64))
+    lengths = torch.tensor([len(r) for r in rows])
+    starts = torch.tensor([int(conv.reply_start[i]) for i in idx])
+    return ids.to(device), lengths.to(device), starts.to(device)
+
+
+def new_head(target: Target, d2t: np.ndarray, ffn: int | None, layers=None) -> Eagle3Head:
+    c = HeadConfig.for_target(target.cfg, len(d2t), ffn, layers)
+    head = Eagle3Head(c, target.embedding)
+    head.init_from_target(target.lm_head, target.final_norm, torch.from_numpy(d2t))
+    return head.to(target.device)
+
+
+def train(target: Target, head: Eagle3Head, conv: data_mod.Conversations, tc: TrainConfig,
+          log=print) -> History:
+    dev = target.device
+    rng = random.Random(tc.seed)
+    batches = make_batches(conv, tc.max_len, tc.batch_tokens)
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=tc.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    warm = min(tc.warmup, max(1, tc.steps // 10))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) * (
+        0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, s / tc.steps)))))
+    pad = target.tokenizer.eos_id or 0
+    d2t = head.d2t.to(dev)
+    hist = History()
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else torch.autocast(
+        "cpu", enabled=False)
+    head.train()
+    order: list[int] = []
+    t_start = time.perf_counter()
+    for step in range(tc.steps):
+        if not order:
+            order = list(range(len(batches)))
+            rng.shuffle(order)
+        ids, lengths, starts = collate(conv, batches[order.pop()], tc.max_len, pad, dev)
+        t0 = time.perf_counter()
+        feats, logits = target.features(ids, lengths, head.c.target_layers)   # [B, T, 3 Dt], [B, T, V]
+        top = logits.argmax(-1)
+        tl = logits[..., d2t]
+        del logits
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        with autocast:
+            loss, losses, accs = head.ttt(feats, ids, lengths, starts, tl, top, tc.ttt, tc.decay)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, tc.clip)
+        opt.step()
+        sched.step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        hist.loss.append(loss.item())
+        hist.step_loss.append(losses)
+        hist.step_acc.append(accs)
+        hist.tokens += int(lengths.sum())
+        hist.target_s += t1 - t0
+        hist.head_s += t2 - t1
+        if (step + 1) % tc.log_every == 0 or step == 0 or step + 1 == tc.steps:
+            k = min(tc.log_every, len(hist.loss))
+            acc = np.mean(hist.step_acc[-k:], axis=0)
+            log(f"step {step + 1}/{tc.steps}: loss {np.mean(hist.loss[-k:]):.3f}, agreement per draft step "
+                f"{' '.join(f'{a:.2f}' for a in acc)}, {hist.tokens / (time.perf_counter() - t_start):.0f} "
+                f"tok/s (target {hist.target_s:.1f} s, head {hist.head_s:.1f} s)")
+    head.eval()
+    return hist
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m jllm.train.head", description=__doc__.splitlines()[0])
+    ap.add_argument("-m", "--model", required=True, help="the target GGUF")
+    ap.add_argument("-o", "--out", required=True, help="the head GGUF to write")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--data", help="the conversations' .npz: read if it exists, else made and saved there")
+    ap.add_argument("--data-only", action="store_true", help="make the data, train nothing")
+    ap.add_argument("--magpie", type=int, default=3000, help="conversations with a Magpie user turn")
+    ap.add_argument("--package", type=int, default=3000, help="conversations over installed packages' files")
+    ap.add_argument("--max-new", type=int, default=512, help="reply tokens at most")
+    ap.add_argument("--gen-batch", type=int, default=128, help="prompts generated at once")
+    ap.add_argument("--sampled", type=float, default=0.5, help="fraction of replies sampled (else greedy)")
+    ap.add_argument("--draft-vocab", type=int, default=24576)
+    ap.add_argument("--ffn", type=int, default=3840, help="the head's FFN width (the file size budget)")
+    ap.add_argument("--steps", type=int, default=TrainConfig.steps)
+    ap.add_argument("--lr", type=float, default=TrainConfig.lr)
+    ap.add_argument("--batch-tokens", type=int, default=TrainConfig.batch_tokens)
+    ap.add_argument("--max-len", type=int, default=TrainConfig.max_len)
+    ap.add_argument("--ttt", type=int, default=TrainConfig.ttt, help="unrolled draft steps")
+    ap.add_argument("--qtype", default="Q4_0", help="matrix type in the file (Q4_0, Q8_0, F16, ...)")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    try:
+        return _run(a)
+    except JllmError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+def _run(a) -> int:
+    t0 = time.perf_counter()
+    target = load_target(a.model, a.device)
+    print(f"target: {Path(a.model).name}, {target.cfg.n_layers} layers, hidden {target.cfg.hidden}, "
+          f"on {a.device} ({time.perf_counter() - t0:.1f} s)")
+    fp = target.tokenizer.fingerprint()
+    if a.data and Path(a.data).exists():
+        conv = data_mod.Conversations.load(a.data, fp)
+        print(f"data: {a.data}: {len(conv)} conversations, {conv.reply_tokens()} reply tokens")
+    else:
+        conv = data_mod.generate(target, a.magpie, a.package, a.max_new, a.gen_batch, sampled_frac=a.sampled,
+                                 seed=a.seed)
+        if a.data:
+            conv.save(a.data)
+    if a.data_only:
+        return 0
+    d2t = data_mod.draft_vocab(conv, target.cfg.vocab_size, a.draft_vocab, always=target.tokenizer.eot_ids)
+    head = new_head(target, d2t, a.ffn)
+    qtype = getattr(__import__("gguf").GGMLQuantizationType, a.qtype.upper())
+    print(f"head: draft vocabulary {len(d2t)}, ffn {head.c.ffn}, layers {list(head.c.target_layers)}, "
+          f"~{file_bytes(head, qtype) / 2**20:.1f} MiB of tensors in {qtype.name}")
+    tc = TrainConfig(steps=a.steps, lr=a.lr, batch_tokens=a.batch_tokens, max_len=a.max_len, ttt=a.ttt,
+                     seed=a.seed)
+    t1 = time.perf_counter()
+    hist = train(target, head, conv, tc)
+    size = write_head(a.out, head, a.model, qtype)
+    print(f"wrote {a.out}: {size / 2**20:.1f} MiB; training {time.perf_counter() - t1:.0f} s for "
+          f"{hist.tokens} tokens; all {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

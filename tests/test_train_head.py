@@ -1,0 +1,177 @@
+"""jllm.train: a tiny EAGLE-3 head trained on a tiny synthetic target, end to end, on the CPU."""
+
+from __future__ import annotations
+
+import math
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from synthetic import write_tiny_model
+
+from jllm.eagle3 import format as fmt
+from jllm.gguf.reader import read_gguf
+from jllm.model.config import config_from_gguf
+from jllm.train import data as data_mod
+from jllm.train.eagle3 import Eagle3Head, HeadConfig, rope_interleaved
+from jllm.train.export import write_head
+from jllm.train.head import TrainConfig, collate, new_head, train
+from jllm.train.target import load_target
+
+SNIPPET = '''def merge(a, b):
+    """Merge two sorted lists into one sorted list."""
+    out = []
+    i = j = 0
+    while i < len(a) and j < len(b):
+        if a[i] <= b[j]:
+            out.append(a[i])
+            i += 1
+        else:
+            out.append(b[j])
+            j += 1
+    out.extend(a[i:])
+    out.extend(b[j:])
+    return out
+'''
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    d = tmp_path_factory.mktemp("train")
+    ref = write_tiny_model(d / "target.gguf", "qwen2", num_hidden_layers=8, max_position_embeddings=2048)
+    return load_target(str(d / "target.gguf")), ref, d
+
+
+def test_target_matches_jllm_and_the_oracle(target):
+    """The training target computes what jllm's exact path computes; its features are HF's layer inputs."""
+    from jllm.model.loader import load_model
+
+    tg, ref, d = target
+    ids = [5, 17, 250, 40, 41, 3, 99, 120]
+    jm = load_model(d / "target.gguf", precision="exact", cache_weights=False)
+    want = jm.forward(torch.tensor(ids), jm.new_cache(16))
+    feats, logits = tg.features(torch.tensor([ids]), torch.tensor([len(ids)]), (2, 4, 5))
+    assert (logits[0] - want).abs().max() < 1e-3
+    hs = ref.model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
+    D = tg.cfg.hidden
+    for k, layer in enumerate((2, 4, 5)):
+        assert torch.allclose(feats[0, :, k * D:(k + 1) * D], hs[layer][0], atol=1e-4)
+
+
+def test_package_prompts_and_data_roundtrip(target, tmp_path):
+    tg, _, _ = target
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "merge.py").write_text(SNIPPET)
+    (tmp_path / "lib" / "README.md").write_text("# merge\n\n" + "Merges sorted lists in linear time.\n" * 14)
+    files = data_mod.package_files([str(tmp_path / "lib")])
+    assert sorted(f.name for f in files) == ["README.md", "merge.py"]
+    prompts = data_mod.package_prompts(6, __import__("random").Random(0), files)
+    assert len(prompts) == 6 and all(("merge" in p or "Merges" in p) for p in prompts)
+    prefix = data_mod.user_prefix(tg.template, tg.tokenizer)
+    assert tg.tokenizer.decode(prefix) == "<|im_start|>user\n"
+    conv = data_mod.generate(tg, 2, 4, max_new=12, batch=4, user_max_new=8, files=files, log=lambda s: None)
+    assert len(conv) >= 4 and conv.reply_tokens() > 0
+    conv.save(tmp_path / "d.npz")
+    back = data_mod.Conversations.load(tmp_path / "d.npz", tg.tokenizer.fingerprint())
+    assert np.array_equal(back.tokens, conv.tokens) and np.array_equal(back.reply_start, conv.reply_start)
+    with pytest.raises(Exception, match="another tokenizer"):
+        data_mod.Conversations.load(tmp_path / "d.npz", "0" * 64)
+    d2t = data_mod.draft_vocab(conv, tg.cfg.vocab_size, 40, always=tg.tokenizer.eot_ids)
+    assert len(d2t) == 40 and np.all(np.diff(d2t) > 0) and set(tg.tokenizer.eot_ids) <= set(d2t.tolist())
+
+
+def _reference_chain(head: Eagle3Head, g0: torch.Tensor, ids: torch.Tensor, t: int, steps: int) -> list:
+    """The head run row by row as llama.cpp drafts: rows 0..t are (token s+1, fc(feats s)) at position s,
+    then each drafted row at t + j is (token t+1+j, the previous row's h): plain causal attention over
+    every row so far. -> the h of rows t, t+1, ..., t+steps-1."""
+    c = head.c
+    rows = [(int(ids[s + 1]), g0[s], s) for s in range(t + 1)]
+    K, V, out = [], [], []
+    for j in range(steps):
+        if j:
+            rows.append((int(ids[t + 1 + j]), out[-1], t + j))
+        K, V = [], []
+        for tok, g, p in rows:                      # recompute every row (the cache, written out)
+            e = head.embed[tok]
+            x = torch.cat([head._norm(e, head.attn_norm), head._norm(g, head.hidden_norm)])
+            k = rope_interleaved(head.k(x).view(1, 1, c.n_kv_heads, c.head_dim), torch.tensor([p]), c.rope_base)
+            K.append(k[0, 0])
+            V.append(head.v(x).view(c.n_kv_heads, c.head_dim))
+        tok, g, p = rows[-1]
+        x = torch.cat([head._norm(head.embed[tok], head.attn_norm), head._norm(g, head.hidden_norm)])
+        q = rope_interleaved(head.q(x).view(1, 1, c.n_heads, c.head_dim), torch.tensor([p]), c.rope_base)[0, 0]
+        Kt, Vt = torch.stack(K), torch.stack(V)                          # [rows, Hk, hd]
+        rep = c.n_heads // c.n_kv_heads
+        a = []
+        for hh in range(c.n_heads):
+            w = torch.softmax(Kt[:, hh // rep] @ q[hh] / math.sqrt(c.head_dim), dim=0)
+            a.append(w @ Vt[:, hh // rep])
+        h = g + head.o(torch.cat(a))
+        n = head._norm(h, head.ffn_norm)
+        out.append(h + head.down(torch.nn.functional.silu(head.gate(n)) * head.up(n)))
+    return out
+
+
+def test_ttt_equals_drafting_row_by_row(target):
+    """Each TTT step's state at position t is what the head computes when it drafts that row at run time."""
+    tg, _, _ = target
+    torch.manual_seed(0)
+    c = HeadConfig.for_target(tg.cfg, 32, ffn=96, layers=(2, 4, 5))
+    head = Eagle3Head(c, tg.embedding)
+    ids = torch.randint(0, 290, (1, 14))
+    feats = torch.randn(1, 14, 3 * c.target_hidden)
+    with torch.no_grad():
+        hs = list(head.unroll(feats, ids, 4))
+        g0 = head.fc(feats[0])
+        for t in (0, 3, 8):
+            want = _reference_chain(head, g0, ids[0], t, 4)
+            for j in range(4):
+                assert torch.allclose(hs[j][0, t], want[j], atol=1e-4), (t, j)
+
+
+def test_train_loss_falls_and_the_gguf_loads(target, tmp_path):
+    tg, _, d = target
+    rng = __import__("random").Random(1)
+    rows = []
+    for i in range(6):                               # the target's own greedy replies to fixed prompts
+        prompt = data_mod.chat_prompt(tg.template, tg.tokenizer, f"Hello world {i} and the {rng.random():.3f}")
+        rows.append((prompt, tg.generate([prompt], 40, sample=False)[0], 1, False))
+    conv = data_mod.Conversations.build(rows, dict(target="target.gguf", tokenizer=tg.tokenizer.fingerprint()))
+    d2t = data_mod.draft_vocab(conv, tg.cfg.vocab_size, 64, always=tg.tokenizer.eot_ids)
+    torch.manual_seed(0)
+    head = new_head(tg, d2t, ffn=128)
+    assert torch.equal(head.lm_head.weight, tg.lm_head[torch.from_numpy(d2t)])
+    tc = TrainConfig(steps=40, lr=3e-3, warmup=4, batch_tokens=512, max_len=256, ttt=3, log_every=1000)
+    hist = train(tg, head, conv, tc, log=lambda s: None)
+    first, last = np.mean(hist.loss[:3]), np.mean(hist.loss[-3:])
+    assert last < 0.6 * first, (first, last)
+    assert np.mean([a[0] for a in hist.step_acc[-3:]]) > np.mean([a[0] for a in hist.step_acc[:3]])
+
+    path = tmp_path / "head.gguf"
+    write_head(path, head, str(d / "target.gguf"), gguf.GGMLQuantizationType.Q4_0)
+    r = gguf.GGUFReader(path)
+    assert r.fields["general.architecture"].contents() == "eagle3"
+    assert r.fields[fmt.KEY_TARGET_LAYERS].contents() == list(head.c.target_layers)
+    assert r.fields[fmt.KEY_TARGET_HIDDEN].contents() == tg.cfg.hidden
+    t = gguf.GGUFReader(d / "target.gguf")
+    assert r.fields["tokenizer.ggml.tokens"].contents() == t.fields["tokenizer.ggml.tokens"].contents()
+    assert r.fields["tokenizer.chat_template"].contents() == t.fields["tokenizer.chat_template"].contents()
+    tensors = {x.name: x for x in r.tensors}
+    assert set(tensors) == set(fmt.REQUIRED_TENSORS) | {fmt.OUTPUT, fmt.D2T}
+    assert tensors[fmt.FC].tensor_type == gguf.GGMLQuantizationType.Q4_0
+    assert tensors[fmt.ATTN_NORM].tensor_type == gguf.GGMLQuantizationType.F32
+    assert list(tensors[fmt.D2T].data) == d2t.tolist()
+
+    g = read_gguf(path)                                        # jllm's reader and the format's own checks
+    cfg = fmt.read_head_config(g)
+    assert (cfg.hidden, cfg.ffn, cfg.draft_vocab, cfg.n_heads) == (64, 128, 64, 4)
+    assert cfg.target_layers == head.c.target_layers and cfg.own_output and not cfg.own_embedding
+    target_g = read_gguf(d / "target.gguf")
+    fmt.check_target(cfg, g, config_from_gguf(target_g.metadata, set(target_g.tensors)), target_g,
+                     fmt.read_d2t(g))
+    from jllm.gguf.quants import dequantize
+    w = dequantize(g.raw(fmt.OUTPUT), g.tensors[fmt.OUTPUT].ggml_type, g.tensors[fmt.OUTPUT].shape)
+    err = (w - head.lm_head.weight).norm() / head.lm_head.weight.norm()
+    assert err < 0.15
