@@ -74,8 +74,11 @@ public:
     // itself, never the rows from leaf on. Its key and value still go to its own slot, start + T - 1. For its
     // attention they are swapped into slot leaf and back, so it runs on the same keys in the same places as
     // a decode step of the leaf after the tokens before it: the same bits (its other work is row by row).
+    // capture (layer ids, each 0 .. layers): cap [T, ids * D] f32 gets, in block j of D columns, the residual
+    // stream at the input of layer capture[j] (id == layers: the last layer's output, before the final norm),
+    // every row, also with last_only (an EAGLE-3 head reads them). Empty: nothing is copied.
     torch::Tensor forward(torch::Tensor x_in, torch::Tensor kc, torch::Tensor vc, int64_t start, bool last_only,
-                          int64_t leaf) {
+                          int64_t leaf, std::vector<int64_t> capture, torch::Tensor cap) {
         std::lock_guard<std::mutex> lock(mu);
         TORCH_CHECK(head_norm && !layers.empty(), "the stack needs its layers and head before forward");
         TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == D && x_in.scalar_type() == at::kFloat, "x must be [T, D] f32");
@@ -86,9 +89,19 @@ public:
         TORCH_CHECK(start >= 0 && start + T <= L, "the cache is full");
         TORCH_CHECK(leaf < 0 || (T >= 2 && leaf >= start && leaf < start + T - 1), "a leaf's position is one of the chain's");
         for (const Layer& l : layers) TORCH_CHECK(start + T <= l.positions, "past the rotary table");
+        const int64_t nc = (int64_t)capture.size();
+        for (int64_t id : capture) TORCH_CHECK(id >= 0 && id <= (int64_t)layers.size(), "capture: a layer id out of range");
+        TORCH_CHECK(!nc || (cap.is_contiguous() && cap.scalar_type() == at::kFloat && cap.dim() == 2 &&
+                            cap.size(0) == T && cap.size(1) == nc * D), "capture: cap must be [T, ids * D] f32");
+        float* cp = nc ? cap.data_ptr<float>() : nullptr;
         float* x = grow(x_buf, T * D);                            // the residual stream
         const torch::Tensor xc = x_in.contiguous();
         std::copy(xc.data_ptr<float>(), xc.data_ptr<float>() + T * D, x);
+        auto take = [&](int64_t layer) {          // the residual stream as it enters `layer`
+            for (int64_t j = 0; j < nc; ++j)
+                if (capture[j] == layer)
+                    for (int64_t t = 0; t < T; ++t) std::copy(x + t * D, x + (t + 1) * D, cp + (t * nc + j) * D);
+        };
         float* h = grow(h_buf, T * D);
         float* qkv = grow(qkv_buf, T * W);
         float* q = grow(q_buf, T * qd);
@@ -103,6 +116,7 @@ public:
         rms_norm_raw(x, T, D, layers[0].attn_norm, eps, h);
         for (size_t i = 0; i < layers.size(); ++i) {
             const Layer& l = layers[i];
+            if (nc) take((int64_t)i);
             char* ki = kb + (int64_t)i * layer_bytes;
             char* vi = vb + (int64_t)i * layer_bytes;
             qmatmul_raw(h, T, D, l.qkv, qkv, group);                                   // qkv: [T, W]
@@ -133,6 +147,7 @@ public:
             // x += a, and the next layer's first norm in the same pass
             add_rms_norm_raw(x, a, T, D, i + 1 < layers.size() ? layers[i + 1].attn_norm : nullptr, eps, h);
         }
+        if (nc) take((int64_t)layers.size());
         const int64_t rows = last_only ? 1 : T;
         rms_norm_raw(x + (T - rows) * D, rows, D, head_norm, eps, h);
         auto logits = torch::empty({rows, head.n}, at::kFloat);
@@ -179,5 +194,6 @@ void register_stack(pybind11::module& m) {
         .def("set_head", &Stack::set_head)
         .def("forward", &Stack::forward, pybind11::arg("x"), pybind11::arg("kc"), pybind11::arg("vc"),
              pybind11::arg("start"), pybind11::arg("last_only") = false, pybind11::arg("leaf") = -1,
+             pybind11::arg("capture") = std::vector<int64_t>{}, pybind11::arg("cap") = at::empty({0}, at::kFloat),
              pybind11::call_guard<pybind11::gil_scoped_release>());
 }

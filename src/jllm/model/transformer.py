@@ -92,13 +92,17 @@ class Transformer:
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False,
-                leaf: int | None = None) -> torch.Tensor:
+                leaf: int | None = None, capture: tuple[int, ...] | None = None):
         """tokens: [T] int64 -> logits [T, vocab] (or [1, vocab] with last_only) float32.
 
         Writes the new tokens' keys and values at cache.length and advances it by T.
         leaf (native stack only): the last token is a side leaf of a speculative tree, an alternative to the
         token at position `leaf`; its logits are those of a decode step of it at that position (see Stack),
         its key and value sit at the last position.
+        capture (layer ids, each 0..n_layers; an EAGLE-3 head's target_layers): return (logits, hidden) with
+        hidden [T, len(capture) * hidden] float32, block j the residual stream entering layer capture[j]
+        (n_layers: the last layer's output before the final norm), for every row even with last_only.
+        Without it nothing is copied.
         """
         c, w = self.cfg, self.w
         T = tokens.shape[0]
@@ -109,24 +113,38 @@ class Transformer:
         x = w.embed(tokens)                                                   # x: [T, D]
         if self.embed_scale is not None:
             x = x * self.embed_scale
+        if capture is not None and not all(0 <= i <= c.n_layers for i in capture):
+            raise ValueError(f"capture layers {capture} beyond 0..{c.n_layers}")
         if self.stack is not None:                                            # layers, norm, output: one call
-            logits = self.stack.forward(x, cache.k, cache.v, start, last_only, -1 if leaf is None else leaf)
+            leaf = -1 if leaf is None else leaf
+            if capture is None:
+                logits = self.stack.forward(x, cache.k, cache.v, start, last_only, leaf)
+            else:
+                hidden = torch.empty(T, len(capture) * c.hidden)
+                logits = self.stack.forward(x, cache.k, cache.v, start, last_only, leaf, list(capture), hidden)
             cache.length = start + T
-            return logits
-        x = self._layers(x, cache, start)
+            return logits if capture is None else (logits, hidden)
+        taken = {} if capture is not None else None
+        x = self._layers(x, cache, start, taken)
         cache.length = start + T
         if last_only:
             x = x[-1:]
         x = norm(x, w.output_norm, c.rms_eps)
-        return w.output(x)
+        logits = w.output(x)
+        if capture is None:
+            return logits
+        return logits, torch.cat([taken[i] for i in capture], dim=1).float()
 
-    def _layers(self, x: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
-        """The decoder layers in Python (any device and precision; the native stack runs the same kernels)."""
+    def _layers(self, x: torch.Tensor, cache: KVCache, start: int, taken: dict | None = None) -> torch.Tensor:
+        """The decoder layers in Python (any device and precision; the native stack runs the same kernels).
+        taken: filled with layer id -> the residual stream entering that layer, [T, D] (n_layers: the output)."""
         c, w = self.cfg, self.w
         T = x.shape[0]
         norm = self.kernels.rms_norm if self.kernels is not None else rms_norm
         q_dim, kv_dim = c.n_heads * c.head_dim, c.kv_dim
         for i, L in enumerate(w.layers):
+            if taken is not None:
+                taken[i] = x
             h = norm(x, L.attn_norm, c.rms_eps)
             qkv = L.qkv(h)                                                    # [T, q_dim + 2 kv_dim]
             qk = qkv[:, :q_dim + kv_dim].reshape(T, c.n_heads + c.n_kv_heads, c.head_dim)
@@ -161,6 +179,8 @@ class Transformer:
             if L.post_ffn_norm is not None:
                 m = norm(m, L.post_ffn_norm, c.rms_eps)
             x = x + m
+        if taken is not None:
+            taken[c.n_layers] = x
         return x
 
     def _attention(self, q: torch.Tensor, cache: KVCache, layer: int, start: int, window: int) -> torch.Tensor:
