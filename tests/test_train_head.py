@@ -37,8 +37,17 @@ SNIPPET = '''def merge(a, b):
 '''
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matrices: one torch thread is fastest, and several crawl when the machine is busy."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
-def target(tmp_path_factory):
+def target(tmp_path_factory, one_thread):
     d = tmp_path_factory.mktemp("train")
     ref = write_tiny_model(d / "target.gguf", "qwen2", num_hidden_layers=8, max_position_embeddings=2048)
     return load_target(str(d / "target.gguf")), ref, d
