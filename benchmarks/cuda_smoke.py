@@ -18,7 +18,7 @@ from cuda_checks import cuda_vs_cpu_exact  # noqa: E402
 
 from jllm.engine import Engine  # noqa: E402
 from jllm.sampling import SamplingParams  # noqa: E402
-from jllm.spec.decode import SpecConfig  # noqa: E402
+from jllm.spec.config import SpecConfig  # noqa: E402
 
 
 def main() -> int:

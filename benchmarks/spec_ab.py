@@ -19,7 +19,7 @@ from jllm.engine import Engine
 from jllm.sampling import SamplingParams
 from jllm.spec.bench import _run
 from jllm.spec.corpus import load_corpus
-from jllm.spec.decode import SpecConfig
+from jllm.spec.config import SpecConfig
 from jllm.catalog import resolve
 
 

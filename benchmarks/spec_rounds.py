@@ -29,7 +29,8 @@ from jllm.engine import Engine  # noqa: E402
 from jllm.sampling import SamplingParams  # noqa: E402
 from jllm.spec.bench import _run  # noqa: E402
 from jllm.spec.corpus import load_corpus  # noqa: E402
-from jllm.spec.decode import DraftGate, SpecConfig  # noqa: E402
+from jllm.spec.config import SpecConfig  # noqa: E402
+from jllm.spec.policy import DraftGate  # noqa: E402
 from jllm.catalog import resolve  # noqa: E402
 
 

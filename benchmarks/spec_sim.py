@@ -22,6 +22,9 @@ from pathlib import Path
 import torch
 
 from jllm.spec import DRAFT_VOCAB
+from jllm.spec.config import SpecConfig
+from jllm.spec.ngram import find_ngram
+from jllm.spec.policy import DraftGate, draft_goes_on, leaf_position, next_length, ngram_keep
 
 V_MEASURED = [1, 1.09, 1.15, 1.25, 1.45, 1.6, 1.75, 1.9, 2.05]   # V(0..8), from `costs` (slow memory phase)
 RESULTS = Path(__file__).with_name("results")
@@ -32,7 +35,6 @@ def trace(a) -> None:
     from jllm.engine import Engine
     from jllm.sampling import SamplingParams
     from jllm.spec.corpus import load_corpus
-    from jllm.spec.decode import SpecConfig
     from jllm.catalog import resolve
 
     eng = Engine(str(resolve(a.model)), draft_path=str(resolve(a.draft)), spec=SpecConfig())
@@ -40,8 +42,7 @@ def trace(a) -> None:
     rows = []
     for item in load_corpus():
         ids = eng.chat_ids(item["messages"])
-        eng.cache.truncate(0), setattr(eng, "cached_ids", [])
-        eng.draft.cache.truncate(0), setattr(eng.draft, "ids", [])
+        eng.reset()
         out = eng.generate(ids, SamplingParams(max_tokens=a.n)).token_ids
         cache = draft.new_cache(len(ids) + len(out) + 8)
         with torch.inference_mode():
@@ -93,28 +94,27 @@ def costs(a) -> None:
 # ---------------------------------------------------------------- replay
 
 def ngram_lookup(ctx: list[int], k: int, max_n: int = 4) -> tuple[list[int], int]:
-    from jllm.spec.ngram import find_ngram
-
     return find_ngram(ctx, k, max_n, 1)
 
 
-def _gate_rate(gate) -> float:
-    """Tokens a step that draft rounds bring by the gate's estimate, at least plain decoding's 1 (as
-    DraftGate.extend_pays uses it)."""
-    return max(1.0, (gate.value() if gate is not None else None) or 1.0)
+# The engine's own policy with its defaults (SpecConfig): what `jllm` runs, replayed.
+JLLM = {"kmax": SpecConfig.draft_max, "p_min": SpecConfig.p_min, "grow": 2, "rate": "gate", "ngram_cost": True,
+        "leaf_p": SpecConfig.leaf_p, "leaf_gate": True}
 
 
 def replay(row: dict, policy: dict, d: float, V, gate=None) -> tuple[float, int, int, int]:
     """-> (cost in target steps, tokens emitted, drafted, accepted) for one prompt.
 
-    policy: kmax (kmax_ngram: the n-gram proposer's, default kmax); p_min with rule "before" (jllm's: draft on while the product of the draft's probabilities
-    stays >= p_min, decided before each draft step) or "after" (session 2's: run the step, then drop its
-    token if its own probability is < p_min: that step is paid for and wasted); ngram (default on); wrong
-    (every draft token wrong); grow (a draft round proposes at most `grow` past what the previous one got
-    accepted); leaf_p (a side leaf, the draft's second choice at its least
-    confident drafted position when that is < leaf_p: one more verify row, one more token when the chain
-    breaks there on the leaf's token). gate: a DraftGate deciding draft or plain rounds, as jllm runs it; a draft
-    back from plain rounds catches up at ~8 % of a step per extra token (one batched pass)."""
+    The rules are jllm.spec.policy's own functions (draft_goes_on, ngram_keep, next_length, leaf_position and
+    the DraftGate), so a replay of JLLM is the engine's policy; the other keys try alternatives:
+    kmax (kmax_ngram: the n-gram proposer's, default kmax); p_min with rule "before" (jllm's: decided before
+    each draft step) or "after" (run the step, then drop its token if its own probability is < p_min: that
+    step is paid for and wasted); ngram (default on); wrong (every draft token wrong); grow (a draft round
+    proposes at most 2 past what the previous one got accepted: next_length); rate: "gate" (the gate's
+    extend_pays), a number r (one more token while chain >= r * its cost by the V table), or absent (p_min
+    alone); ngram_cost (n-gram proposals cut by ngram_keep); leaf_p (side leaves at leaf_position),
+    leaf_gate (only while DraftGate.leaf_pays). gate: a DraftGate deciding draft or plain rounds, as jllm
+    runs it; a draft back from plain rounds catches up at ~8 % of a step per extra token (one batched pass)."""
     out, dr, dp = row["out"], row["draft"], row["draft_p"]
     ctx = list(row["prompt"]) + [out[0]]       # out[0] comes from the prefill
     i, n_out = 1, len(out)
@@ -125,68 +125,74 @@ def replay(row: dict, policy: dict, d: float, V, gate=None) -> tuple[float, int,
     synced = i                                  # the draft has seen the text up to here
     ng = [0, 0]                                 # n-gram tokens accepted, n-gram rounds cut short
     cap = kmax                                  # policy "grow": a draft round may go at most this far
+    extend = _extend_rule(policy, gate, d, V)
     while i < n_out:
         room = n_out - i - 1
-        drafts, kind = [], None
+        drafts, kind, steps = [], None, 0
         if policy.get("ngram", True) and room > 0:
             prop, m = ngram_lookup(ctx, min(kn, room))
             if prop and m >= policy.get("ngram_min", 3):
                 drafts, kind = prop, "ngram"
-                if policy.get("ngram_cost"):          # keep the j-th token while c^j pays for its row
-                    c = (ng[0] + 1) / (ng[0] + ng[1] + 2)
-                    rate = _gate_rate(gate)
-                    j = 1
-                    while j < len(drafts) and c ** (j + 1) >= rate * (V(j + 1) - V(j)):
-                        j += 1
-                    drafts = drafts[:j]
+                if policy.get("ngram_cost"):
+                    pays = (lambda k, c: gate.extend_pays(k, c, free=True)) if gate is not None \
+                        else (lambda k, c: c >= V(k) - V(k - 1))
+                    drafts = drafts[:ngram_keep(len(drafts), ng[0], ng[1], pays)]
         if kind is None and room > 0 and (gate is None or gate.choose() == "draft"):
             kind, chain, steps = "draft", 1.0, 1          # the first step is the draft's catch-up pass
             cost += d * max(0, i - synced - 1) * 0.08
             k = min(kmax, room, cap)
-            for j in range(k):
-                p = dp[i + j]      # after a wrong token the real draft's confidence is unknown: this stands in
-                if rule == "after" and j > 0 and p < policy["p_min"]:
+            while True:
+                p = dp[i + len(drafts)]  # after a wrong token the real draft's confidence is unknown: this stands in
+                if rule == "after" and drafts and p < policy["p_min"]:
                     break
-                drafts.append(-1 if policy.get("wrong") else dr[i + j])
+                drafts.append(-1 if policy.get("wrong") else dr[i + len(drafts)])
                 chain *= p
-                if j + 1 == k or (rule == "before" and chain < policy["p_min"]):
+                goes_on = len(drafts) < k if rule == "after" else \
+                    draft_goes_on(len(drafts), k, 1, chain, policy["p_min"], extend)
+                if not goes_on:
                     break
-                if "rate" in policy:
-                    rate = policy["rate"]
-                    if rate == "gate":
-                        rate = _gate_rate(gate)
-                    if chain < rate * (d + V(j + 2) - V(j + 1)):
-                        break
                 steps += 1
             cost += d * steps
         n = 0
         while n < len(drafts) and drafts[n] == out[i + n]:
             n += 1
         leaf = None
-        if kind == "draft" and policy.get("leaf_p") and not policy.get("wrong"):
-            j = min(range(len(drafts)), key=lambda j: dp[i + j])
-            leaf = j if dp[i + j] < policy["leaf_p"] else None
+        if kind == "draft" and policy.get("leaf_p") and not policy.get("wrong") and \
+                (not policy.get("leaf_gate") or gate is None or gate.leaf_pays()):
+            leaf = leaf_position([dp[i + j] for j in range(len(drafts))], policy["leaf_p"])
         taken = leaf is not None and n == leaf and i + n + 1 < n_out and row["draft2"][i + n] == out[i + n]
-        cost += V(len(drafts) + (leaf is not None))
+        rows_k = len(drafts) + (leaf is not None)
+        cost += V(rows_k)
         if gate is not None:
-            rows_k = len(drafts) + (leaf is not None)
             gate.observe(V(rows_k) / V(0), rows_k, d if kind == "draft" else None)
             if kind == "draft":
-                gate.record(n + 1 + taken, steps, rows_k)
+                gate.record(n + taken + 1, steps, rows_k)
+            if leaf is not None:
+                gate.observe_leaf(taken)
         if kind == "draft":
             synced = i + n + 1
             if policy.get("grow"):
-                cap = min(kmax, n + policy["grow"])
+                cap = next_length("draft", cap, len(drafts), n + taken, 1, kmax)
         drafted += len(drafts)
         accepted += n
         if kind == "ngram":
-            kn = min(kn_max, kn + 1) if n == len(drafts) else max(1, n + 1)
+            kn = next_length("ngram", kn, len(drafts), n, 1, kn_max)
             ng[0] += n
             ng[1] += n < len(drafts)
         n += taken
         ctx.extend(out[i:i + n + 1])
         i += n + 1
     return cost, n_out - 1, drafted, accepted
+
+
+def _extend_rule(policy: dict, gate, d: float, V):
+    """The draft's `extend` for draft_goes_on: the gate's extend_pays, a fixed rate by the V table, or None."""
+    rate = policy.get("rate")
+    if rate is None:
+        return None
+    if rate == "gate":
+        return gate.extend_pays if gate is not None else None
+    return lambda n, chain: chain >= rate * (d + V(n) - V(n - 1))
 
 
 def sim(a) -> None:
@@ -196,6 +202,8 @@ def sim(a) -> None:
     cats = sorted({r["category"] for r in rows})
     print(f"V(k) = {Vtab}")
     for d in [float(x) for x in a.d.split(",")]:
+        _line(f"d={d:.2f} JLLM (the engine's policy, defaults)", rows, cats, JLLM, d, V, True)
+        _line(f"d={d:.2f} JLLM, WRONG draft", rows, cats, dict(JLLM, wrong=True), d, V, True)
         for rule in ("after", "before"):
             for pmin in (0.5, 0.6, 0.7, 0.8, 0.9):
                 for kmax in (4, 8):
@@ -223,8 +231,6 @@ def _verify_costs(a):
 
 
 def _line(label, rows, cats, pol, d, V, gated=False) -> None:
-    from jllm.spec.decode import DraftGate
-
     res = {c: [0.0, 0, 0, 0] for c in cats + ["ALL"]}
     for r in rows:
         c, t, dd, acc = replay(r, pol, d, V, DraftGate() if gated else None)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from jllm.engine import Engine, common_prefix
+from jllm.engine import Engine
 from jllm.errors import JllmError
 from jllm.sampling import SamplingParams
 from synthetic import write_tiny_model
@@ -30,8 +30,7 @@ def monkeypatch_module():
 
 
 def fresh(engine):
-    engine.cache.truncate(0)
-    engine.cached_ids = []
+    engine.reset()
     return engine
 
 
@@ -41,9 +40,11 @@ def test_greedy_is_deterministic_and_stream_matches_result(engine):
     b = fresh(engine).generate("hello world", p)
     assert a.token_ids == b.token_ids and len(a.token_ids) == 12
     assert a.finish_reason == "length"
-    pieces = list(fresh(engine).stream(engine.encode("hello world"), p))
+    run = fresh(engine).stream(engine.encode("hello world"), p)
+    pieces = list(run)
     assert "".join(x.text for x in pieces) == a.text
     assert [x.token_id for x in pieces if x.token_id >= 0] == a.token_ids
+    assert run.finish_reason == "length" and run.spec_stats is None and run.timings.decode_tokens == 12
 
 
 def test_prefix_reuse_evaluates_only_new_tokens_and_changes_nothing(engine, model_path):
@@ -72,10 +73,11 @@ def test_end_of_turn_token_stops_and_is_not_printed(engine):
     def source(logits, params, budget):
         yield from [a, b, eot, a]
 
-    res = list(fresh(engine).stream(engine.encode("x"), SamplingParams(max_tokens=10), token_source=source))
+    run = fresh(engine).stream(engine.encode("x"), SamplingParams(max_tokens=10), token_source=source)
+    res = list(run)
     assert [p.token_id for p in res] == [a, b, eot]
     assert res[-1].text == ""
-    assert engine.finish_reason == "stop"
+    assert run.finish_reason == "stop"
 
 
 def test_stop_string_truncates_output(engine):
@@ -111,12 +113,6 @@ def test_chat_ids_use_template(engine):
     ids = engine.chat_ids([{"role": "user", "content": "hi"}])
     text = engine.tokenizer.decode(ids)
     assert "<|im_start|>user" in text and text.rstrip().endswith("assistant")
-
-
-def test_common_prefix():
-    assert common_prefix([1, 2, 3], [1, 2, 4]) == 2
-    assert common_prefix([], [1]) == 0
-    assert common_prefix([1, 2], [1, 2]) == 2
 
 
 def test_kv_cache_export_import_roundtrip(engine):

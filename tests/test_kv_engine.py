@@ -11,7 +11,7 @@ import pytest
 
 from jllm.engine import Engine
 from jllm.sampling import SamplingParams
-from jllm.spec.decode import SpecConfig
+from jllm.spec.config import SpecConfig
 from synthetic import write_tiny_model
 
 P = SamplingParams(max_tokens=12)

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from jllm.spec.ngram import NgramProposer, find_ngram, propose_ngram
+from jllm.spec.ngram import NgramIndex, find_ngram, propose_ngram
 
 
 def test_no_earlier_occurrence_proposes_nothing():
@@ -49,7 +49,7 @@ def test_k_zero_and_bad_bounds():
     with pytest.raises(ValueError):
         propose_ngram([1, 2], k=1, max_ngram=1, min_ngram=2)
     with pytest.raises(ValueError):
-        NgramProposer(max_ngram=3, min_ngram=0)
+        NgramIndex(max_ngram=3, min_ngram=0)
 
 
 @pytest.mark.parametrize("max_ngram,min_ngram", [(4, 1), (3, 2), (1, 1), (5, 3)])
@@ -58,7 +58,7 @@ def test_incremental_proposer_equals_pure_function(max_ngram, min_ngram):
     for _ in range(30):
         vocab = rng.choice([2, 3, 5, 20])              # small vocabularies give many matches
         seq = [rng.randrange(vocab) for _ in range(rng.randrange(0, 60))]
-        prop = NgramProposer(max_ngram, min_ngram)
+        prop = NgramIndex(max_ngram, min_ngram)
         pos = 0
         while pos <= len(seq):
             k = rng.randrange(0, 7)
@@ -70,16 +70,13 @@ def test_incremental_proposer_equals_pure_function(max_ngram, min_ngram):
             pos += step
 
 
-def test_counters_and_reset():
-    prop = NgramProposer()
+def test_append_and_reset():
+    prop = NgramIndex()
     prop.extend([1, 2, 3, 1, 2])
     assert prop.propose(4) == [3, 1, 2] and prop.last_match_len == 2
     assert prop.propose(4) == [3, 1, 2]
     prop.append(9)
     assert prop.propose(4) == [] and prop.last_match_len == 0
-    prop.record_accepted(2)
-    s = prop.stats()
-    assert (s["calls"], s["proposals"], s["tokens_proposed"], s["tokens_accepted"]) == (3, 2, 6, 2)
     prop.reset([4, 5, 4])
     assert prop.tokens == [4, 5, 4] and prop.propose(2) == [5, 4]
 
@@ -87,7 +84,19 @@ def test_counters_and_reset():
 def test_long_context_matches_the_pure_function():
     rng = random.Random(0)
     seq = [rng.randrange(1000) for _ in range(20000)] + [1, 2, 3, 4, 5, 1, 2, 3]
-    prop = NgramProposer()
+    prop = NgramIndex()
     prop.extend(seq)
     assert prop.propose(3) == propose_ngram(seq, 3) == [4, 5, 1]
     assert prop.last_match_len == 3
+
+
+def test_proposer_follows_the_context_it_is_given():
+    """NgramProposer indexes only what a context adds to the last one, and starts over on another context."""
+    from jllm.spec.proposers import NgramProposer
+
+    prop = NgramProposer()
+    assert prop.propose([1, 2, 3, 1, 2], 4).tokens == [3, 1, 2]
+    p = prop.propose([1, 2, 3, 1, 2, 3], 4)
+    assert p.tokens == [1, 2, 3] and p.match == 3 and p.probs is None and p.kind == "ngram"
+    assert prop.propose([7, 8, 7], 4).tokens == [8, 7]           # not an extension: a fresh index
+    assert prop.index.tokens == [7, 8, 7]

@@ -30,7 +30,7 @@ from jllm import cli
 from jllm.engine import Engine
 from jllm.sampling import SamplingParams
 from jllm.server import create_app
-from jllm.spec.decode import SpecConfig
+from jllm.spec.config import SpecConfig
 
 KEY = "sk-test-key"
 CTX = 4096

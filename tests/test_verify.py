@@ -1,4 +1,4 @@
-"""Verification rules (jllm/spec/rejection.py): greedy cases by hand, and chi-square tests that speculative
+"""Verification rules (jllm/spec/verify.py): greedy cases by hand, and chi-square tests that speculative
 sampling emits exactly the target's distribution, on a 6-token vocabulary with no model."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from jllm.spec.rejection import draw, recovery_probs, verify_greedy, verify_sampled, verify_sampled_batch
+from jllm.spec.verify import draw, recovery_probs, verify_greedy, verify_sampled, verify_sampled_batch
 
 V, N = 6, 200_000
 # chi-square critical values at alpha = 0.001, by degrees of freedom

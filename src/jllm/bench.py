@@ -36,7 +36,6 @@ def _prompt(eng, n: int) -> list[int]:
 
 
 def measure(eng, prompt_tokens: int = 512, decode_tokens: int = 64, max_k: int = 8, repeats: int = 5) -> dict:
-    model, cache = eng.model, eng.cache
     dev = eng.device
     if prompt_tokens + decode_tokens + max_k + 2 > eng.ctx_size:
         raise JllmError(f"bench needs a context of at least {prompt_tokens + decode_tokens + max_k + 2} tokens")
@@ -45,8 +44,7 @@ def measure(eng, prompt_tokens: int = 512, decode_tokens: int = 64, max_k: int =
     # prefill: fresh cache, whole prompt, best of 2
     best = float("inf")
     for _ in range(2):
-        eng.cached_ids = []
-        cache.truncate(0)
+        eng.reset()
         t0 = time.perf_counter()
         logits, _ = eng.prefill(ids)
         _sync(dev)
@@ -64,20 +62,19 @@ def measure(eng, prompt_tokens: int = 512, decode_tokens: int = 64, max_k: int =
     step_s = statistics.median(step_times)
 
     # batched forward of k+1 tokens at the same position, relative to one decode step
-    base = cache.length
-    block = torch.tensor(_prompt(eng, max_k + 1), device=dev)
+    base = len(eng.target)
+    block = _prompt(eng, max_k + 1)
     ratios = {}
     for k in range(0, max_k + 1):
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            model.forward(block[:k + 1], cache)
+            eng.target.forward(block[:k + 1])
             _sync(dev)
             times.append(time.perf_counter() - t0)
-            cache.truncate(base)
+            eng.target.rollback(base)
         ratios[k] = statistics.median(times)
     one = ratios[0]
-    eng.cached_ids = eng.cached_ids[:base]
     return {
         "model": str(eng.gguf.path.name), "precision": eng.precision, "device": str(dev),
         "threads": torch.get_num_threads(), "load_s": eng.load_ms / 1000.0,
@@ -123,12 +120,11 @@ def perplexity(eng, text: str, max_tokens: int = 1024, chunk: int = 256) -> tupl
     ids = eng.tokenizer.encode(text)[:max_tokens]
     if len(ids) < 2:
         raise JllmError("perplexity needs a text of at least two tokens")
-    eng.cache.truncate(0)
-    eng.cached_ids = []
+    eng.reset()
     nll, n = 0.0, 0
     for s in range(0, len(ids) - 1, chunk):
         part = ids[s:s + chunk]
-        logp = torch.log_softmax(eng.model.forward(torch.tensor(part, device=eng.device), eng.cache).float(), -1)
+        logp = torch.log_softmax(eng.target.forward(part).float(), -1)
         targets = torch.tensor(ids[s + 1:s + 1 + len(part)], device=logp.device)
         logp = logp[:len(targets)]
         nll -= logp.gather(1, targets[:, None]).sum().item()

@@ -92,7 +92,7 @@ def _precision(a: argparse.Namespace) -> str:
 
 def _spec_config(a: argparse.Namespace):
     """--spec, or JLLM_SPEC_DECODE=1|0 as the default; with a draft model, speculation is on unless turned off."""
-    from jllm.spec.decode import SpecConfig
+    from jllm.spec.config import SpecConfig
 
     if not hasattr(a, "spec"):
         return None
@@ -116,7 +116,7 @@ def _spec_config(a: argparse.Namespace):
 
 
 def _spec_args(p: argparse.ArgumentParser) -> None:
-    from jllm.spec.decode import MODES
+    from jllm.spec.config import MODES
 
     p.add_argument("-md", "--draft-model", default=None, help="draft model (alias or .gguf) for speculative "
                    "decoding; must share the target's tokenizer")
@@ -174,8 +174,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
         res = eng.generate(ids, params)
         out = {"text": res.text, "token_ids": res.token_ids, "prompt_tokens": res.prompt_tokens,
                "finish_reason": res.finish_reason, "timings": res.timings.as_dict()}
-        if eng.spec_stats is not None:
-            out["spec"] = eng.spec_stats.as_dict()
+        if res.spec_stats is not None:
+            out["spec"] = res.spec_stats.as_dict()
         print(json.dumps(out, ensure_ascii=False))
         return 0
     from jllm.engine import Timings
@@ -218,12 +218,13 @@ def cmd_chat(a: argparse.Namespace) -> int:
         a.n_predict = 256 if eng.chat_template.is_builtin else -1
         params = _params(a)
 
-    def turn(text: str, echo: bool) -> tuple[str, object, Timings]:
+    def turn(text: str, echo: bool):
+        """-> (the reply, its token ids, the Generation: finish reason, statistics, timings)."""
         messages.append({"role": "user", "content": text})
-        timings = Timings(load_ms=eng.load_ms)
         parts, ids = [], []
         try:
-            for piece in eng.stream(eng.chat_ids(messages), params, timings, conv_id=conv_id):
+            run = eng.stream(eng.chat_ids(messages), params, Timings(load_ms=eng.load_ms), conv_id=conv_id)
+            for piece in run:
                 if echo:
                     sys.stdout.write(piece.text)
                     sys.stdout.flush()
@@ -237,21 +238,20 @@ def cmd_chat(a: argparse.Namespace) -> int:
         messages.append({"role": "assistant", "content": reply})
         if history:                               # a failure (a full disk) is one warning: the reply stays
             history.save()
-        return reply, ids, timings
+        return reply, ids, run
 
     if a.prompt is not None:                      # one turn, then exit
-        reply, ids, timings = turn(a.prompt, echo=not a.json)
+        reply, ids, run = turn(a.prompt, echo=not a.json)
         eng.wait_saves()
-        t = timings.as_dict()
         if a.json:
-            out = {"conversation": conv_id, "text": reply, "token_ids": ids, "finish_reason": eng.finish_reason,
-                   "turn": sum(m["role"] == "user" for m in messages), "timings": t}
-            if eng.spec_stats is not None:
-                out["spec"] = eng.spec_stats.as_dict()
+            out = {"conversation": conv_id, "text": reply, "token_ids": ids, "finish_reason": run.finish_reason,
+                   "turn": sum(m["role"] == "user" for m in messages), "timings": run.timings.as_dict()}
+            if run.spec_stats is not None:
+                out["spec"] = run.spec_stats.as_dict()
             print(json.dumps(out, ensure_ascii=False))
         else:
             print()
-            _after_reply(a, eng, t, ids, verbose=True)
+            _after_reply(a, eng, run, ids, verbose=True)
         return 0
 
     name = eng.model.cfg.name or a.model
@@ -288,7 +288,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
         if not line.strip():
             continue
         try:
-            _, ids, timings = turn(line, echo=True)
+            _, ids, run = turn(line, echo=True)
         except KeyboardInterrupt:
             sys.stdout.write("\n")
             print("[stopped]", file=sys.stderr)
@@ -298,7 +298,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
             continue
         sys.stdout.write("\n")
         sys.stdout.flush()
-        _after_reply(a, eng, timings.as_dict(), ids, verbose=a.verbose)
+        _after_reply(a, eng, run, ids, verbose=a.verbose)
     eng.wait_saves()
     return 0
 
@@ -310,18 +310,19 @@ CHAT_HELP = """commands:
 anything else is sent to the model"""
 
 
-def _after_reply(a: argparse.Namespace, eng, t: dict, ids: list[int], verbose: bool) -> None:
-    """What follows a reply on stderr: a line when a limit cut it, and with verbose its statistics."""
+def _after_reply(a: argparse.Namespace, eng, run, ids: list[int], verbose: bool) -> None:
+    """What follows a reply (run: its Generation) on stderr: a line when a limit cut it, and with verbose its
+    statistics."""
     lines = []
-    if eng.finish_reason == "length":
+    if run.finish_reason == "length":
         if a.n_predict >= 0 and len(ids) >= a.n_predict:
             lines.append(f"[answer cut at the -n limit of {a.n_predict} tokens]")
         else:
             lines.append(f"[answer cut: the context of {eng.ctx_size} tokens is full; /reset starts over, "
                          "a larger -c makes room]")
     if verbose:
-        line = _timings_line(t)
-        st = eng.spec_stats.as_dict() if eng.spec_stats is not None else None
+        line = _timings_line(run.timings.as_dict())
+        st = run.spec_stats.as_dict() if run.spec_stats is not None else None
         if st and st["drafted"]:
             line += (f" [speculation: {st['accepted']}/{st['drafted']} drafts accepted "
                      f"({100 * st['acceptance_rate']:.0f} %), {st['tokens_per_verify']} tokens a target pass]")

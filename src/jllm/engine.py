@@ -1,8 +1,9 @@
-"""The engine: one model, its tokenizer and chat template, a KV cache, and the decode loop.
+"""The engine: one model, its tokenizer and chat template, its Sequence (KV cache and the ids it holds), and
+the decode loop.
 
-The cache keeps the tokens it holds (`cached_ids`); a new prompt reuses the longest common prefix and
-evaluates only the rest, so multi-turn chat in one process never re-reads its history. Speculative decoding
-and the persistent cache plug in as token sources and cache loaders around the same loop.
+A new prompt reuses the longest prefix the Sequence already holds and evaluates only the rest, so multi-turn
+chat in one process never re-reads its history; the persistent KV store extends that across processes.
+Speculative decoding (jllm.spec.loop) is another token source for the same loop.
 """
 
 from __future__ import annotations
@@ -17,16 +18,23 @@ from typing import Callable, Iterator
 
 import torch
 
+from jllm.cache.store import KVState, KVStore, dtype_name, model_fingerprint
 from jllm.errors import JllmError
 from jllm.gguf.reader import read_gguf
 from jllm.model.loader import default_precision, load_model, resolve_device
+from jllm.plan import check_limit, physical_memory, plan
 from jllm.sampling import SamplingParams, make_generator, sample
+from jllm.sequence import Sequence, common_prefix
+from jllm.spec.compat import check_compatible
+from jllm.spec.config import SpecConfig, draft_precision_for
+from jllm.spec.loop import SpeculativeDecoder
+from jllm.spec.policy import DraftGate
+from jllm.spec.proposers import DraftModelProposer
+from jllm.spec.stats import SpecStats
 from jllm.stops import StopMatcher
 from jllm.tokenizer.chat import ChatTemplate
 from jllm.tokenizer.stream import StreamDecoder
 from jllm.tokenizer.tokenizer import Tokenizer
-
-PREFILL_CHUNK = 256
 
 
 @dataclass
@@ -57,6 +65,7 @@ class Result:
     prompt_tokens: int
     finish_reason: str            # "stop" (EOS / end of turn / stop string) or "length"
     timings: Timings = field(default_factory=Timings)
+    spec_stats: SpecStats | None = None    # what speculation did (None: plain decoding)
 
 
 @dataclass
@@ -64,6 +73,26 @@ class Piece:
     """One step of a stream: the new token and the text it completes (may be empty)."""
     token_id: int
     text: str
+
+
+class Generation:
+    """One generation: iterate it for its Pieces; afterwards it holds the finish reason ("stop" or "length"),
+    the speculation statistics (None for plain decoding) and the timings."""
+
+    def __init__(self, timings: Timings):
+        self.timings = timings
+        self.finish_reason = "length"
+        self.spec_stats: SpecStats | None = None
+        self._pieces: Iterator[Piece] = iter(())
+
+    def __iter__(self) -> "Generation":
+        return self
+
+    def __next__(self) -> Piece:
+        return next(self._pieces)
+
+    def close(self) -> None:
+        self._pieces.close()
 
 
 def set_threads(threads: int | None) -> None:
@@ -75,7 +104,7 @@ class Engine:
     def __init__(self, model_path: str, device: str | None = "cpu", precision: str | None = None,
                  ctx_size: int = 4096, threads: int | None = None, kv_store_dir: str | None = None,
                  kv_store_bytes: int = 1 << 30, draft_path: str | None = None, spec=None):
-        """spec: a jllm.spec.decode.SpecConfig, or None for plain decoding (its mode 'none' too)."""
+        """spec: a SpecConfig, or None for plain decoding (its mode 'none' too)."""
         if ctx_size <= 0:
             raise JllmError(f"context size must be positive, got {ctx_size}")
         t0 = time.perf_counter()
@@ -89,7 +118,8 @@ class Engine:
         if self.device.type == "cpu":
             self._check_memory(draft_gguf, spec, ctx_size)
         self.ctx_size = ctx_size
-        self.draft = None
+        self.draft: Sequence | None = None          # the draft model's sequence, and the proposer over it
+        self.draft_proposer: DraftModelProposer | None = None
         # the draft loads beside the target: a load is mostly file reads and page faults, which two cores
         # overlap (a second start of the default pair: ~1 s less)
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="jllm-draft-load") as pool:
@@ -97,21 +127,17 @@ class Engine:
             self.model = load_model(self.gguf, self.device, self.precision, max_positions=ctx_size)
             if draft_loading is not None:
                 draft_loading.result()
-        self.cache = self.model.new_cache(ctx_size)
-        self.cached_ids: list[int] = []
+        self.target = Sequence(self.model, ctx_size)
         self.spec = spec if spec is not None and spec.mode != "none" else None
-        self.spec_stats = None                 # the last speculative run's SpecStats
-        self.spec_gate = None                  # the draft gate, kept across generations (a chat's turns)
+        self.gate: DraftGate | None = None     # the draft gate, kept across generations (a chat's turns)
         self.kv_store = None
         if kv_store_dir is not None:
-            from jllm.cache.store import KVStore, dtype_name, model_fingerprint
-
             # CPU and CUDA compute slightly different KV, and an f32 cache's state is not an f16 one's
             tag = f"{self.precision}@{self.device.type}/kv-{dtype_name(self.cache.k.dtype)}"
             draft_fp = None
             if self.draft is not None:
                 dm = self.draft.model
-                draft_fp = model_fingerprint(dm.gguf, f"{self.draft.precision}@{self.device.type}"
+                draft_fp = model_fingerprint(dm.gguf, f"{self.draft_precision}@{self.device.type}"
                                                       f"/vocab{dm.w.output.out_features}"
                                                       f"/kv-{dtype_name(self.draft.cache.k.dtype)}")
             self.kv_store = KVStore(kv_store_dir, max_bytes=kv_store_bytes,
@@ -120,10 +146,22 @@ class Engine:
         self._saving: threading.Thread | None = None
         self.load_ms = (time.perf_counter() - t0) * 1000
 
+    @property
+    def cache(self):
+        """The target's KV cache."""
+        return self.target.cache
+
+    def reset(self) -> None:
+        """Forget what this process holds in memory: the caches' contents and the draft gate's estimates
+        (the persistent store is untouched). The next prompt is evaluated from scratch."""
+        self.wait_saves()
+        self.target.reset()
+        if self.draft is not None:
+            self.draft.reset()
+        self.gate = None
+
     def _check_draft(self, draft_path: str):
         """Read the draft's header and check its tokenizer against the target's, before any weights load."""
-        from jllm.spec.compat import check_compatible
-
         dg = read_gguf(draft_path)
         check_compatible(self.gguf.metadata, dg.metadata, self.gguf.path.name, dg.path.name)
         return dg
@@ -131,22 +169,17 @@ class Engine:
     def _check_memory(self, draft_gguf, spec, ctx_size: int) -> None:
         """Refuse, before allocating, a configuration that needs more than this machine's RAM (a context of
         millions of tokens would otherwise end in the OOM killer, or in a traceback for an impossible size)."""
-        from jllm.plan import check_limit, physical_memory, plan
-        from jllm.spec.decode import SpecConfig
-
         spec = spec or SpecConfig()
         rows = plan(self.gguf, draft_gguf, ctx_size, self.precision, spec.draft_precision, spec.draft_vocab or None)
         check_limit(rows, physical_memory(), "this machine's memory")
 
     def _load_draft(self, dg, spec) -> None:
-        from jllm.spec.decode import DraftRunner, SpecConfig, draft_precision_for
-
         spec = spec or SpecConfig()
-        precision = draft_precision_for(self.precision, spec.draft_precision)
-        draft_model = load_model(dg, self.device, precision, max_positions=self.ctx_size,
+        self.draft_precision = draft_precision_for(self.precision, spec.draft_precision)
+        draft_model = load_model(dg, self.device, self.draft_precision, max_positions=self.ctx_size,
                                  output_rows=spec.draft_vocab or None)
-        self.draft = DraftRunner(draft_model, self.ctx_size)
-        self.draft.precision = precision
+        self.draft = Sequence(draft_model, self.ctx_size)
+        self.draft_proposer = DraftModelProposer(self.draft)
 
     # -- prompts ----------------------------------------------------------------------------------------------
 
@@ -172,46 +205,39 @@ class Engine:
         if len(ids) >= self.ctx_size:
             raise JllmError(f"prompt of {len(ids)} tokens does not fit the context size {self.ctx_size} "
                             "(raise -c/--ctx-size or shorten the prompt)")
-        keep = min(common_prefix(self.cached_ids, ids), len(ids) - 1)   # evaluate >= 1 token for its logits
         if self.kv_store is not None:
-            keep = self._hydrate(ids, conv_id, keep, timings)
-        logits = fill_cache(self.model, self.cache, self.cached_ids, ids, min(keep, self.cache.length))
-        return logits, len(ids) - keep
+            self._hydrate(ids, conv_id, timings)
+        logits = self.target.sync(ids)
+        return logits, self.target.evaluated
 
-    def _hydrate(self, ids: list[int], conv_id: str | None, keep: int, timings: Timings | None) -> int:
-        """Load the best stored state if it covers more of `ids` than the cache already does."""
+    def _hydrate(self, ids: list[int], conv_id: str | None, timings: Timings | None) -> None:
+        """Load the best stored state if it covers more of `ids` than the target already holds (at most
+        all but the last token, which must be evaluated for its logits)."""
         t0 = time.perf_counter()
         self.wait_saves()
+        held = min(common_prefix(self.target.ids, ids), len(ids) - 1)
         name, n = self.kv_store.lookup(ids, conv_id)
         n = min(n, len(ids) - 1)
-        if name is not None and n > keep:
+        if name is not None and n > held:
             state = self.kv_store.load(name, n)
             # another process may have replaced the entry since lookup: use it only if it still matches
             if state is not None and list(state.tokens[:n]) == ids[:n]:
-                self.cache.load(state.target_k.to(self.device), state.target_v.to(self.device))
-                self.cached_ids = list(ids[:n])
-                keep = n
+                self.target.load(ids[:n], state.target_k, state.target_v)
                 if self.draft is not None and state.draft_k is not None:
-                    self.draft.cache.load(state.draft_k.to(self.device), state.draft_v.to(self.device))
-                    self.draft.ids = list(ids[:n])
+                    self.draft.load(ids[:n], state.draft_k, state.draft_v)
         if timings is not None:
             timings.hydrate_ms = (time.perf_counter() - t0) * 1000
-        return keep
 
     def save_state(self, conv_id: str | None) -> None:
         """Store the cache's state for the next turn, on a background thread (see wait_saves)."""
-        if self.kv_store is None or not self.cached_ids:
+        if self.kv_store is None or not self.target.ids:
             return
-        from jllm.cache.store import KVState
-
         self.wait_saves()
-        n = self.cache.length
-        k, v = self.cache.export(n)
-        state = KVState(tokens=list(self.cached_ids[:n]), target_k=k.cpu(), target_v=v.cpu())
+        tokens, k, v = self.target.export()
+        state = KVState(tokens=tokens, target_k=k, target_v=v)
         if self.draft is not None:                  # the draft's state covers the same tokens
-            self.draft.sync(state.tokens)
-            dk, dv = self.draft.cache.export(n)
-            state.draft_k, state.draft_v = dk.cpu(), dv.cpu()
+            self.draft.sync(tokens)
+            _, state.draft_k, state.draft_v = self.draft.export(len(tokens))
 
         def save():
             try:
@@ -228,19 +254,24 @@ class Engine:
             self._saving = None
 
     def step(self, token: int) -> torch.Tensor:
-        logits = self.model.forward(torch.tensor([token], device=self.device), self.cache)[-1]
-        self.cached_ids.append(token)
-        return logits
+        return self.target.step(token)
 
     # -- generation -------------------------------------------------------------------------------------------
 
     def stream(self, prompt_ids: list[int], params: SamplingParams, timings: Timings | None = None,
                token_source: Callable | None = None, conv_id: str | None = None,
-               save: bool = True) -> Iterator[Piece]:
-        """Yield generated tokens with their text; stops on end-of-turn tokens, stop strings or max_tokens.
+               save: bool = True) -> Generation:
+        """A Generation of tokens with their text; it stops on end-of-turn tokens, stop strings or max_tokens.
+        token_source(logits, params, budget) -> iterator of ids replaces the engine's own (plain or
+        speculative). With a persistent store, the state is saved afterwards under conv_id (or an anonymous
+        name)."""
+        run = Generation(timings if timings is not None else Timings())
+        run._pieces = self._generate(run, prompt_ids, params, token_source, conv_id, save)
+        return run
 
-        With a persistent store, the state is saved afterwards under conv_id (or an anonymous name)."""
-        timings = timings if timings is not None else Timings()
+    def _generate(self, run: Generation, prompt_ids: list[int], params: SamplingParams,
+                  token_source: Callable | None, conv_id: str | None, save: bool) -> Iterator[Piece]:
+        timings = run.timings
         t0 = time.perf_counter()
         logits, evaluated = self.prefill(prompt_ids, conv_id, timings)
         if self.spec is not None and self.draft is not None:
@@ -250,21 +281,20 @@ class Engine:
         timings.cached_tokens = len(prompt_ids) - evaluated
         budget = min(params.max_tokens, self.ctx_size - len(prompt_ids))
         if token_source is None and self.spec is not None:
-            from jllm.spec.decode import DraftGate, SpeculativeDecoder
-
-            if self.spec_gate is None:
-                self.spec_gate = DraftGate()
-            decoder = SpeculativeDecoder(self, self.draft, self.spec, gate=self.spec_gate)
+            if self.gate is None:
+                self.gate = DraftGate()
+            decoder = SpeculativeDecoder(self.target, self.draft_proposer, self.spec, self.tokenizer.eot_ids,
+                                         self.gate)
             token_source = decoder.tokens
-            self.spec_stats = decoder.stats
+            run.spec_stats = decoder.stats
         source = (token_source or self._plain_tokens)(logits, params, budget)
-        yield from self._emit(source, params, timings)
+        yield from self._emit(source, run, params)
         if save:
             self.save_state(conv_id)
 
     def _plain_tokens(self, logits: torch.Tensor, params: SamplingParams, budget: int) -> Iterator[int]:
         gen = make_generator(params.seed)
-        history = list(self.cached_ids)
+        history = list(self.target.ids)
         for n in range(budget):
             tok = sample(logits, params, history, gen)
             history.append(tok)
@@ -272,22 +302,22 @@ class Engine:
             if n + 1 < budget and tok not in self.tokenizer.eot_ids:
                 logits = self.step(tok)
 
-    def _emit(self, source: Iterator[int], params: SamplingParams, timings: Timings) -> Iterator[Piece]:
+    def _emit(self, source: Iterator[int], run: Generation, params: SamplingParams) -> Iterator[Piece]:
         decoder = StreamDecoder(self.tokenizer)
         stops = StopMatcher(params.stop)
+        timings = run.timings
         t0 = time.perf_counter()
-        self.finish_reason = "length"
         try:
             for tok in source:
                 timings.decode_tokens += 1
                 if tok in self.tokenizer.eot_ids:
-                    self.finish_reason = "stop"
+                    run.finish_reason = "stop"
                     yield Piece(tok, stops.push(decoder.flush()) + stops.flush())
                     return
                 text = stops.push(decoder.push(tok))
                 yield Piece(tok, text)
                 if stops.stopped:
-                    self.finish_reason = "stop"
+                    run.finish_reason = "stop"
                     return
             yield Piece(-1, stops.push(decoder.flush()) + stops.flush())
         finally:
@@ -301,29 +331,10 @@ class Engine:
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         timings = Timings(load_ms=self.load_ms)
         out_ids, parts = [], []
-        for piece in self.stream(ids, params, timings, conv_id=conv_id):
+        run = self.stream(ids, params, timings, conv_id=conv_id)
+        for piece in run:
             if piece.token_id >= 0:
                 out_ids.append(piece.token_id)
             parts.append(piece.text)
-        return Result("".join(parts), out_ids, len(ids), self.finish_reason, timings)
+        return Result("".join(parts), out_ids, len(ids), run.finish_reason, timings, run.spec_stats)
 
-
-def fill_cache(model, cache, held: list[int], ids: list[int], keep: int) -> torch.Tensor:
-    """Cut `cache` back to its first `keep` tokens and evaluate ids[keep:] in chunks, so that it holds exactly
-    `ids`; `held`, the list of ids the cache holds, is updated in place. Returns the logits after ids[-1]."""
-    cache.truncate(keep)
-    del held[keep:]
-    logits = None
-    for s in range(keep, len(ids), PREFILL_CHUNK):
-        chunk = ids[s:s + PREFILL_CHUNK]
-        logits = model.forward(torch.tensor(chunk, device=model.device), cache, last_only=True)[-1]
-        held.extend(chunk)
-    return logits
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

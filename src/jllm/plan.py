@@ -10,8 +10,13 @@ from dataclasses import dataclass
 
 from jllm.errors import JllmError
 from jllm.gguf.reader import GGUFFile, read_gguf
+from jllm.kernels import native_possible
 from jllm.model.config import config_from_gguf
+from jllm.model.kv_cache import kv_dtype
+from jllm.model.qlinear import packed_bytes, row_kind
+from jllm.model.weights import layer_matrices, output_matrix
 from jllm.spec import DRAFT_VOCAB
+from jllm.spec.config import draft_precision_for
 
 RUNTIME_BYTES = 350 << 20      # python + torch + tokenizer, measured: RSS of an engine on a tiny model
 BYTES_PER_WEIGHT = {"exact": 4, "int8": 1, "int8-fast": 1, "bf16": 2, "f16": 2}
@@ -53,8 +58,6 @@ def model_budget(g: GGUFFile, precision: str, ctx: int, output_rows: int | None 
 
 
 def _kv(cfg, ctx: int, precision: str) -> int:
-    from jllm.kernels import native_possible
-    from jllm.model.kv_cache import kv_dtype
 
     native = precision in ("native", "native4") and native_possible()
     size = kv_dtype(native).itemsize                                               # f16 on the native stack
@@ -70,8 +73,6 @@ def _scratch(cfg, ctx: int, output_rows: int | None, verify_tokens: int) -> int:
 
 def _native_weights(g: GGUFFile, cfg, output_rows: int | None, all_four: bool = False) -> int:
     """The native kernel's packed matrices, fused as weights.py fuses them, plus norms and biases in f32."""
-    from jllm.model.qlinear import packed_bytes, row_kind
-    from jllm.model.weights import layer_matrices, output_matrix
 
     t = g.tensors
 
@@ -89,7 +90,6 @@ def _native_weights(g: GGUFFile, cfg, output_rows: int | None, all_four: bool = 
 def plan(target: str | GGUFFile, draft: str | GGUFFile | None, ctx: int, precision: str,
          draft_precision: str = "auto", draft_vocab: int | None = DRAFT_VOCAB) -> list[Budget]:
     """Budgets of the target and the draft (paths, or files already read)."""
-    from jllm.spec.decode import draft_precision_for
 
     read = lambda f: f if isinstance(f, GGUFFile) else read_gguf(f)      # noqa: E731
     rows = [model_budget(read(target), precision, ctx)]

@@ -115,7 +115,6 @@ class Worker:
             raise ContextTooLong(f"the prompt is {len(ids)} tokens, the model's context is {eng.ctx_size} "
                                  "(leave room for the reply): shorten the messages")
         timings = Timings()
-        eng.spec_stats = None
         stream = eng.stream(ids, job.params, timings, conv_id=job.conv_id)
         n = 0
         try:
@@ -128,8 +127,8 @@ class Worker:
                     return
         finally:
             stream.close()
-        spec = eng.spec_stats.as_dict() if eng.spec_stats is not None else None
-        outcome = Outcome(len(ids), n, eng.finish_reason, dict(timings.as_dict(), queue_ms=round(queue_ms, 2)),
+        spec = stream.spec_stats.as_dict() if stream.spec_stats is not None else None
+        outcome = Outcome(len(ids), n, stream.finish_reason, dict(timings.as_dict(), queue_ms=round(queue_ms, 2)),
                           spec)
         self.metrics.record(outcome)
         job.emit(("done", outcome))

@@ -9,27 +9,27 @@ not propose, is speculative decode time.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections import defaultdict
 
 import torch
 
+from jllm.catalog import resolve
+from jllm.engine import Engine
 from jllm.errors import JllmError
 from jllm.sampling import SamplingParams
+from jllm.spec.config import SpecConfig
 from jllm.spec.corpus import load_corpus
 
 
 def _run(eng, ids, params, spec):
+    """One prompt on its own: cold caches, no gate state from the previous prompt."""
     eng.spec = spec
-    eng.spec_gate = None               # each prompt on its own: no gate state from the previous prompt
-    eng.cache.truncate(0)
-    eng.cached_ids = []
-    if eng.draft is not None:
-        eng.draft.cache.truncate(0)
-        eng.draft.ids = []
+    eng.reset()
     res = eng.generate(ids, params)
-    return res, (eng.spec_stats.as_dict() if spec is not None else None)
+    return res, (res.spec_stats.as_dict() if spec is not None else None)
 
 
 def run_corpus(eng, spec_cfg, max_tokens: int = 128, limit: int | None = None, log=print) -> dict:
@@ -94,25 +94,24 @@ def make_draft_wrong(eng) -> None:
     """Turn the engine's draft into one that is always wrong, at its full cost: it still runs every draft step,
     then shifts each proposed id by one (the target's choice is never the draft's choice plus one, except by a
     vanishing coincidence). Measures what speculation costs when it cannot help."""
-    runner = eng.draft
-    propose = runner.propose
-    vocab = runner.model.cfg.vocab_size
+    eng.draft_proposer = AlwaysWrong(eng.draft_proposer, eng.draft.model.cfg.vocab_size)
 
-    def wrong(context, k, p_min, params, gen, k_min=1, leaf_p=0.0, extend=None):
-        drafts, q = propose(context, k, p_min, params, gen, k_min, extend=extend)
-        runner.leaf = None                             # no second choice: it could be right
-        shifted = [(t + 1) % vocab for t in drafts]
-        if q is not None:                              # keep q consistent with what is proposed
-            q = torch.roll(q, shifts=1, dims=-1)
-        return shifted, q
 
-    runner.propose = wrong
+class AlwaysWrong:
+    """A proposer that runs another one at its full cost and shifts every proposed id by one."""
+
+    def __init__(self, inner, vocab: int):
+        self.inner, self.vocab, self.kind = inner, vocab, inner.kind
+
+    def propose(self, context, k, limits):
+        p = self.inner.propose(context, k, dataclasses.replace(limits, leaf_p=0.0))   # a leaf could be right
+        p.tokens = [(t + 1) % self.vocab for t in p.tokens]
+        if p.probs is not None:                          # keep q consistent with what is proposed
+            p.probs = torch.roll(p.probs, shifts=1, dims=-1)
+        return p
 
 
 def run(a) -> int:
-    from jllm.engine import Engine
-    from jllm.spec.decode import SpecConfig
-    from jllm.catalog import resolve
 
     draft = str(resolve(a.draft_model)) if a.draft_model else None
     mode = a.spec_mode or ("auto" if draft else "ngram")

@@ -6,14 +6,13 @@ in the context, take the most recent such occurrence and propose up to k tokens 
 that matches wins, so a longer match is preferred; its length is the proposal's confidence (a 4-gram match
 repeats text far more reliably than a 1-gram one).
 
-`propose_ngram` is the pure reference, O(len * max_ngram). `NgramProposer` gives the same answers from an
+`propose_ngram` is the pure reference, O(len * max_ngram). `NgramIndex` gives the same answers from an
 index kept up to date as tokens are appended, so a proposal costs O(max_ngram^2) whatever the context length.
 The proposer sees only accepted tokens (drafts are not appended), so it never needs rolling back.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Sequence
 
 
@@ -42,7 +41,7 @@ def propose_ngram(tokens: Sequence[int], k: int, max_ngram: int = 4, min_ngram: 
     return find_ngram(tokens, k, max_ngram, min_ngram)[0]
 
 
-class NgramProposer:
+class NgramIndex:
     """Incremental prompt lookup over a growing context (prompt, history, accepted output).
 
     Index: n-gram tuple -> end (exclusive) of its latest occurrence that is not the context's own suffix,
@@ -56,34 +55,25 @@ class NgramProposer:
         self.tokens: list[int] = []
         self._index: dict[tuple[int, ...], int] = {}
         self.last_match_len = 0     # confidence of the latest proposal: matched n-gram length, 0 = none
-        # counters
-        self.calls = 0              # propose() calls
-        self.proposals = 0          # calls that proposed at least one token
-        self.tokens_proposed = 0
-        self.tokens_accepted = 0    # reported back by the decode loop through record_accepted()
-        self.time_s = 0.0           # time spent in extend() and propose()
 
     def reset(self, tokens: Iterable[int] = ()) -> None:
-        """Start over on a new context (counters are kept)."""
+        """Start over on a new context."""
         self.tokens, self._index = [], {}
         self.extend(tokens)
 
     def extend(self, new: Iterable[int]) -> None:
-        t0 = time.perf_counter()
         toks, index, lo, hi = self.tokens, self._index, self.min_ngram, self.max_ngram
         for tok in new:
             end = len(toks)                             # n-grams ending here become "earlier" now
             for n in range(lo, min(hi, end) + 1):
                 index[tuple(toks[end - n:end])] = end
             toks.append(int(tok))
-        self.time_s += time.perf_counter() - t0
 
     def append(self, tok: int) -> None:
         self.extend((tok,))
 
     def propose(self, k: int) -> list[int]:
         """Up to k tokens, equal to propose_ngram(self.tokens, k, max_ngram, min_ngram)."""
-        t0 = time.perf_counter()
         toks, L = self.tokens, len(self.tokens)
         draft, self.last_match_len = [], 0
         if k > 0:
@@ -92,15 +82,4 @@ class NgramProposer:
                 if end is not None:
                     draft, self.last_match_len = toks[end:end + k], n
                     break
-        self.calls += 1
-        self.proposals += bool(draft)
-        self.tokens_proposed += len(draft)
-        self.time_s += time.perf_counter() - t0
         return draft
-
-    def record_accepted(self, n: int) -> None:
-        self.tokens_accepted += n
-
-    def stats(self) -> dict:
-        return {"calls": self.calls, "proposals": self.proposals, "tokens_proposed": self.tokens_proposed,
-                "tokens_accepted": self.tokens_accepted, "time_s": self.time_s}

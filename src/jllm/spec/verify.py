@@ -10,6 +10,11 @@ for the position of d(i+1), row k the one after the whole draft. Walking the dra
 
 So every verify emits n + 1 tokens: n accepted plus one recovered or bonus token.
 
+A side leaf (greedy only): the block may end with one more row, an alternative token for draft position i,
+verified as if it stood at position i (Transformer.forward's `leaf`). It is taken when the draft's chain
+breaks exactly at i and the target's token there is the leaf's: then it counts as accepted, and the token
+after it (its row's argmax) is the bonus.
+
 Greedy (temperature 0): accept while d_i equals the target's argmax; the output is the target's greedy output.
 Sampled: speculative sampling (Leviathan, Kalman & Matias 2023, "Fast Inference from Transformers via
 Speculative Decoding"; Chen et al. 2023, "Accelerating Large Language Model Decoding with Speculative
@@ -21,9 +26,41 @@ q = onehot(d_i): accept with probability p(d_i), else draw from p with d_i remov
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from jllm.sampling import draw  # noqa: F401  (re-exported: the verifier's draws)
+from jllm.sampling import SamplingParams, argmax, draw, probs, sample
+
+
+@dataclass
+class Verdict:
+    accepted: list[int]     # the drafted tokens kept, in order (a taken side leaf in place of the broken one)
+    next: int               # the recovered or bonus token
+    leaf_taken: bool = False
+
+
+def verify_block(drafts: list[int], draft_probs: torch.Tensor | None, leaf: tuple[int, int] | None,
+                 logits: torch.Tensor, params: SamplingParams, history: list[int],
+                 gen: torch.Generator | None) -> Verdict:
+    """One verify pass's decision. logits: the target's rows for [last, d1..dk] (plus the leaf's row when
+    `leaf` = (i, token) is given) [k+1(+1), V]; history: the context before d1 (repeat penalty);
+    draft_probs: [k, V'] what the drafts were drawn from (V' <= V: zeros beyond), or None for point masses."""
+    k = len(drafts)
+    if params.greedy:
+        if params.repeat_penalty == 1.0:               # no history to apply: one call for all rows
+            target = argmax(logits)
+        else:
+            target = [sample(logits[i], params, history + drafts[:i], gen) for i in range(k + 1)]
+        n, nxt = verify_greedy(drafts, target[:k + 1])
+        if leaf is not None and n == leaf[0] and target[n] == leaf[1]:
+            return Verdict(drafts[:n] + [leaf[1]], target[-1], leaf_taken=True)
+        return Verdict(drafts[:n], nxt)
+    p = torch.stack([probs(logits[i], params, history + drafts[:i]) for i in range(k + 1)])
+    if draft_probs is not None and draft_probs.shape[-1] < p.shape[-1]:
+        draft_probs = torch.nn.functional.pad(draft_probs, (0, p.shape[-1] - draft_probs.shape[-1]))
+    n, nxt = verify_sampled(drafts, draft_probs, p, gen)
+    return Verdict(drafts[:n], nxt)
 
 
 def verify_greedy(draft: list[int], target_argmax: list[int]) -> tuple[int, int]:

@@ -1,0 +1,98 @@
+"""A Sequence: one model's KV cache and the token ids it holds, kept in step.
+
+Position i of the cache holds the keys and values of ids[i], always. Every change goes through a method
+here, so the two cannot drift apart:
+    sync(context)       make the sequence hold `context`, reusing the longest common prefix, evaluating the rest
+    forward(tokens)     evaluate tokens after the held ones (a decode step, a verify block)
+    keep(start, ids)    after a verify block: positions from `start` hold `ids`, the rest is dropped
+    rollback(n)         hold only the first n tokens (a rejection moves a length; later writes overwrite)
+    reset()             hold nothing
+    load / export       the persistent KV cache's hydrate and save
+The target, the draft model and the KV store's hydrate all use it (engine.py, spec/proposers.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+PREFILL_CHUNK = 256     # tokens per prefill call: bounds the activations' memory, costs nothing in speed
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class Sequence:
+    def __init__(self, model, max_tokens: int):
+        """model: a jllm.model.transformer.Transformer (anything with new_cache, forward and device)."""
+        self.model = model
+        self.cache = model.new_cache(max_tokens)
+        self.ids: list[int] = []
+        self.evaluated = 0          # tokens the latest sync() ran through the model
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.cache.max_tokens
+
+    def sync(self, context: list[int]) -> torch.Tensor:
+        """Hold exactly `context` (non-empty): cut back to the longest common prefix, but at least one token
+        short of it, and evaluate the rest in chunks. Returns the logits after context[-1] [vocab]."""
+        keep = min(common_prefix(self.ids, context), len(context) - 1)
+        self.rollback(keep)
+        logits = None
+        for s in range(keep, len(context), PREFILL_CHUNK):
+            logits = self.forward(context[s:s + PREFILL_CHUNK], last_only=True)[-1]
+        self.evaluated = len(context) - keep
+        return logits
+
+    def forward(self, tokens: list[int], last_only: bool = False, leaf: int | None = None) -> torch.Tensor:
+        """Evaluate `tokens` after the held ones and hold them too -> logits [T, vocab] ([1, vocab] with
+        last_only). leaf: see Transformer.forward (the last token is a side leaf of position `leaf`)."""
+        logits = self.model.forward(torch.tensor(tokens, device=self.model.device), self.cache,
+                                    last_only=last_only, leaf=leaf)
+        self.ids.extend(tokens)
+        return logits
+
+    def step(self, token: int) -> torch.Tensor:
+        """One decode step -> logits after `token` [vocab]."""
+        return self.forward([token])[-1]
+
+    def keep(self, start: int, ids: list[int], moved_from: int | None = None) -> None:
+        """After a forward over a verify block that began at `start`: positions start.. now hold `ids` (they
+        were evaluated there), and everything past them is dropped. moved_from: the last of `ids` is a side
+        leaf whose keys and values were computed at that position; they move into place."""
+        end = start + len(ids)
+        if end > len(self.ids):
+            raise ValueError(f"cannot keep {len(ids)} tokens from {start} in a sequence of {len(self.ids)}")
+        if moved_from is not None:
+            self.cache.move(moved_from, end - 1)
+        self.cache.truncate(end)
+        self.ids[start:] = ids
+
+    def rollback(self, n: int) -> None:
+        """Hold only the first n tokens."""
+        self.cache.truncate(n)
+        del self.ids[n:]
+
+    def reset(self) -> None:
+        self.rollback(0)
+
+    def load(self, ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Hold `ids`, whose keys and values are k, v [n_layers, n_kv_heads, len(ids), head_dim] (export's)."""
+        if k.shape[2] != len(ids):
+            raise ValueError(f"{len(ids)} ids for a state of {k.shape[2]} positions")
+        self.cache.load(k.to(self.model.device), v.to(self.model.device))
+        self.ids = list(ids)
+
+    def export(self, n: int | None = None) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        """The first n held tokens (all by default) with copies of their keys and values, on the CPU."""
+        n = len(self.ids) if n is None else n
+        k, v = self.cache.export(n)
+        return list(self.ids[:n]), k.cpu(), v.cpu()

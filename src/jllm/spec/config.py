@@ -1,0 +1,46 @@
+"""The speculative decoder's settings, built and validated in one place (the CLI, the server and the Python
+API all make a SpecConfig). No torch here: the CLI imports this to print its help."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jllm.spec import DRAFT_MAX, DRAFT_MIN, DRAFT_VOCAB, LEAF_P, P_MIN
+
+MODES = ("auto", "draft", "ngram", "draft+ngram", "none")
+
+
+@dataclass
+class SpecConfig:
+    mode: str = "auto"          # auto: draft+ngram with a draft model, ngram without
+    draft_max: int = DRAFT_MAX  # most tokens proposed per round
+    draft_min: int = DRAFT_MIN  # fewest tokens a round may propose (adaptive k stays within [min, max])
+    p_min: float = P_MIN        # the draft model drafts on while the product of its probabilities stays above
+    ngram_min_match: int = 3    # with a draft model, n-gram proposals need a suffix match this long to be used
+    draft_vocab: int = DRAFT_VOCAB  # FR-Spec: the draft scores only the first N token ids (see jllm/spec);
+                                    # the target still verifies over all of them, so exactness holds
+    draft_precision: str = "auto"   # auto: native4 for a native target, int8-fast for an int8 one (the draft
+                                    # only proposes: fewer bytes beat precision), else the target's own
+    leaf_p: float = LEAF_P      # greedy: also verify the draft's second choice at its least confident drafted
+                                # position when the draft gave its own token less than this (0: never)
+    leaf_gate: bool = True      # ... and only while the measured cost of a row says leaves pay (False: always)
+    cost_stop: bool = True      # the draft also stops where one more token would cost more than it is likely
+                                # to bring, by the verify passes' measured costs (DraftGate.extend_pays)
+    ngram_cut: bool = True      # ... and n-gram proposals are cut the same way (with cost_stop)
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"speculation mode {self.mode!r} is not one of {', '.join(MODES)}")
+        if not 1 <= self.draft_min <= self.draft_max:
+            raise ValueError(f"need 1 <= draft_min <= draft_max, got {self.draft_min}, {self.draft_max}")
+
+    def proposers(self, has_draft: bool) -> tuple[bool, bool]:
+        """(use the n-gram proposer, use the draft model) for this mode."""
+        mode = self.mode if self.mode != "auto" else ("draft+ngram" if has_draft else "ngram")
+        return mode in ("ngram", "draft+ngram"), has_draft and mode in ("draft", "draft+ngram")
+
+
+def draft_precision_for(target_precision: str, choice: str = "auto") -> str:
+    if choice != "auto":
+        return choice
+    return {"native": "native4", "int8": "int8-fast"}.get(target_precision, target_precision)
