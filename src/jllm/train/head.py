@@ -204,8 +204,10 @@ def _run(a) -> int:
     t1 = time.perf_counter()
     hist = train(target, head, conv, tc)
     size = write_head(a.out, head, a.model, qtype)
+    peak = f", peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if target.device.type == "cuda" else ""
     print(f"wrote {a.out}: {size / 2**20:.1f} MiB; training {time.perf_counter() - t1:.0f} s for "
-          f"{hist.tokens} tokens; all {time.perf_counter() - t0:.0f} s")
+          f"{hist.tokens} tokens ({hist.target_s:.0f} s target, {hist.head_s:.0f} s head){peak}; "
+          f"all {time.perf_counter() - t0:.0f} s")
     return 0
 
 
