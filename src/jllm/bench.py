@@ -11,6 +11,8 @@ import time
 
 import torch
 
+from jllm.catalog import resolve
+from jllm.engine import Engine
 from jllm.errors import JllmError
 
 # A fixed, varied text so prompt token counts are reproducible (repeated to reach the prompt length).
@@ -133,9 +135,6 @@ def perplexity(eng, text: str, max_tokens: int = 1024, chunk: int = 256) -> tupl
 
 
 def run_bench(a) -> int:
-    from jllm.engine import Engine
-    from jllm.catalog import resolve
-
     ctx = max(a.ctx_size, a.prompt_tokens + a.decode_tokens + a.max_k + 16)
     eng = Engine(str(resolve(a.model)), device=a.device, precision=a.precision, ctx_size=ctx, threads=a.threads)
     if a.perplexity:

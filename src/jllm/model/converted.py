@@ -26,6 +26,9 @@ from pathlib import Path
 
 import torch
 
+from jllm.catalog import models_dir
+from jllm.model.linear import WEIGHT_LEVELS
+
 VERSION = 5
 MAGIC = b"JLLMW\x00" + bytes([VERSION, 0])
 _DTYPES = {"int8": torch.int8, "float32": torch.float32, "uint8": torch.uint8, "int64": torch.int64,
@@ -36,14 +39,11 @@ def cache_key(gguf_path: Path, precision: str) -> str:
     st = os.stat(gguf_path)
     ident = f"{Path(gguf_path).resolve()}|{st.st_size}|{st.st_mtime_ns}|{precision}|v{VERSION}"
     if precision == "int8":                       # 8- or 7-bit weights by the CPU (model/linear.py)
-        from jllm.model.linear import WEIGHT_LEVELS
         ident += f"|{WEIGHT_LEVELS:g}"
     return hashlib.sha256(ident.encode()).hexdigest()[:32]
 
 
 def converted_dir() -> Path:
-    from jllm.catalog import models_dir
-
     return Path(os.environ.get("JLLM_CONVERTED_DIR") or models_dir() / "converted")
 
 

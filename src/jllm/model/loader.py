@@ -11,6 +11,7 @@ from jllm.gguf.reader import GGUFFile, read_gguf
 from jllm.model.config import check_shapes, config_from_gguf
 from jllm.model.transformer import Transformer
 from jllm.model.weights import load_weights
+from jllm.model.weights import native_supported
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -28,8 +29,6 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 def default_precision(device: torch.device) -> str:
     if device.type != "cpu":
         return "bf16"
-    from jllm.model.weights import native_supported
-
     return "native" if native_supported() else "int8"
 
 

@@ -125,9 +125,8 @@ class DraftGate:
 
     def __init__(self, explore: int = 12, max_explore: int = 96, give_up: int = 3, trial_rounds: int = 2,
                  decay: float = 0.9, row_cost: float = 0.1, warmup: int = 3, off_below: float = 0.95):
-        """Defaults chosen by replaying the corpus traces with this gate in the loop (decay 0.9 and
-        off_below 0.95 lose 0.3 % to an always-on draft there, decay 0.8 and 1.0 lost 3 %; an always-wrong
-        draft gets the same protection either way)."""
+        """The defaults were chosen by replaying the corpus traces with this gate in the loop
+        (BENCHMARKS.md, "Speculative decoding")."""
         self.explore, self.max_explore, self.give_up, self.trial_rounds = explore, max_explore, give_up, trial_rounds
         self.decay, self.row_cost, self.warmup, self.off_below = decay, row_cost, warmup, off_below
         self.stats = None            # moving averages per draft round: [tokens, draft forwards, drafts k]
@@ -171,8 +170,8 @@ class DraftGate:
     def leaf_pays(self) -> bool:
         """Whether a side leaf is worth its row: it costs one row (rows.value target steps) and brings one
         token when taken, so it pays while its take rate beats what the row's time yields in draft rounds
-        (value() tokens a step). Cheap rows (AVX-512 while memory is slow): on; a Zen 3's AVX2 rows at ~0.25
-        of a step: off (trace replay with that machine's costs: 1.28x with leaves, 1.31x without)."""
+        (value() tokens a step). So where rows are cheap (wide vector units, slow memory) leaves run, and
+        where a row costs a quarter of a step (AVX2) they do not."""
         return self.leaf_rate >= self.rows.value * (self.value() or 1.0)
 
     def extend_pays(self, k: int, chain: float, free: bool = False) -> bool:
@@ -183,8 +182,7 @@ class DraftGate:
         least plain decoding's 1 a step). A row's cost is the measured difference between verify passes over
         k and k - 1 drafts, since rows do not cost alike: on AVX2 a 5th row starts a second pass over every
         tile (BENCHMARKS.md). Until both are measured, the fitted cost of a row (rows.value).
-        Trace replay with the AVX2 Zen 3's verify costs: 1.40x -> 1.42x; where rows are cheap, unchanged
-        (benchmarks/spec_sim.py sim, "cost rate=gate"). free: the token costs no draft step (n-gram)."""
+        free: the token costs no draft step (n-gram)."""
         if self.target_step is None or (self.draft_step is None and not free):
             return True
         now, before = self.verify.get(k), self.verify.get(k - 1)
@@ -199,8 +197,8 @@ class DraftGate:
         """Times of one round: its verify pass over k rows past the first, and the draft's one-token step if it
         ran one."""
         self.rows.add(k, verify_s)
-        # the gate's own cost model keeps its fixed row_cost, not rows.value: replayed, the fitted cost made it
-        # drop marginal drafts and lost 0.013-0.017x (BENCHMARKS.md, "AVX2-only CPU")
+        # the gate's own cost model keeps its fixed row_cost, not rows.value: the fitted cost made it drop
+        # marginal drafts that paid (BENCHMARKS.md, "AVX2-only CPU")
         self.target_step = self._avg(self.target_step, verify_s / (1 + self.row_cost * k))
         self.verify[k] = self._avg(self.verify.get(k), verify_s / self.target_step)
         if draft_step_s is not None:
