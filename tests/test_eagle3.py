@@ -31,7 +31,8 @@ EPS = 1e-5
 
 
 def write_head(path, target_ref, qtype=Q.F32, seed=1, target_hidden=D, target_layers=(0, 1, 2),
-               d2t=True, own_output=True, norm_before_fc=False, norm_before_residual=False, tokenizer=True):
+               d2t=True, own_output=True, norm_before_fc=False, norm_before_residual=False, tokenizer=True,
+               own_embedding=False):
     """A random eagle3 head for the synthetic target; returns the float tensors the file holds, by name."""
     rng = np.random.default_rng(seed)
     V = target_ref.vocab_size
@@ -72,6 +73,8 @@ def write_head(path, target_ref, qtype=Q.F32, seed=1, target_hidden=D, target_la
         w.add_tensor(name, data)
         held[name] = torch.from_numpy(data)
 
+    if own_embedding:
+        mat(fmt.TOKEN_EMBD, V, D, std=0.5)
     mat(fmt.FC, D, 3 * target_hidden)
     if norm_before_fc:
         vec(fmt.FC_NORM, 3 * target_hidden)
@@ -126,7 +129,8 @@ class RefHead:
     """The head of format.py's description in float64: one position at a time, its own key/value lists."""
 
     def __init__(self, w, embed, norm_before_fc=False, norm_before_residual=False):
-        self.w, self.embed = {k: v.double() for k, v in w.items() if k != fmt.D2T}, embed.double()
+        self.w = {k: v.double() for k, v in w.items() if k not in (fmt.D2T, fmt.TOKEN_EMBD)}
+        self.embed = embed.double()
         self.nbf, self.nbr = norm_before_fc, norm_before_residual
         self.keys, self.values = [], []
 
@@ -216,12 +220,15 @@ def test_not_a_head_and_missing_tensors(tmp_path, target):
 
 # exact: f32 weights, the f16 KV cache of the kernels; native: int8 activations per block of 32
 @pytest.mark.parametrize("precision, qtype, tol", [("exact", Q.F32, 3e-3), ("native", Q.Q8_0, 0.05)])
-@pytest.mark.parametrize("variant", [dict(), dict(norm_before_fc=True, norm_before_residual=True)])
+@pytest.mark.parametrize("variant", [dict(), dict(norm_before_fc=True, norm_before_residual=True),
+                                     dict(own_embedding=True)])
 def test_head_matches_reference(tmp_path, target, precision, qtype, tol, variant):
     ref, model = target
     held = write_head(tmp_path / "head.gguf", ref, qtype=qtype, **variant)
     head = Eagle3Head.load(tmp_path / "head.gguf", model, precision=precision, use_cache=False)
-    oracle = RefHead(held, target_embedding(ref), **variant)
+    embed = held[fmt.TOKEN_EMBD] if variant.get("own_embedding") else target_embedding(ref)
+    variant = {k: v for k, v in variant.items() if k != "own_embedding"}
+    oracle = RefHead(held, embed, **variant)
     tokens = [5, 77, 260, 9, 130, 41]
     _, hidden = capture(model, tokens)
     # prefill rows 0..4 (token P + 1 with the state at P), then two steps fed back

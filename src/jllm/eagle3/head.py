@@ -215,7 +215,3 @@ class Eagle3Head:
                                                enable_gqa=c.n_heads != c.n_kv_heads)
             out[t] = o[0, :, 0]
         return out.reshape(T, c.n_heads * c.head_dim)
-
-
-def load_head(path: str | os.PathLike, target: Transformer, **kw) -> Eagle3Head:
-    return Eagle3Head.load(path, target, **kw)

@@ -90,7 +90,8 @@ public:
         TORCH_CHECK(leaf < 0 || (T >= 2 && leaf >= start && leaf < start + T - 1), "a leaf's position is one of the chain's");
         for (const Layer& l : layers) TORCH_CHECK(start + T <= l.positions, "past the rotary table");
         const int64_t nc = (int64_t)capture.size();
-        for (int64_t id : capture) TORCH_CHECK(id >= 0 && id <= (int64_t)layers.size(), "capture: a layer id out of range");
+        for (int64_t id : capture)
+            TORCH_CHECK(id >= 0 && id <= (int64_t)layers.size(), "capture: a layer id out of range");
         TORCH_CHECK(!nc || (cap.is_contiguous() && cap.scalar_type() == at::kFloat && cap.dim() == 2 &&
                             cap.size(0) == T && cap.size(1) == nc * D), "capture: cap must be [T, ids * D] f32");
         float* cp = nc ? cap.data_ptr<float>() : nullptr;
