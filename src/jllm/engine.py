@@ -19,8 +19,11 @@ from typing import Callable, Iterator
 import torch
 
 from jllm.cache.store import KVState, KVStore, dtype_name, model_fingerprint
+from jllm.eagle3.format import check_target, is_head, read_d2t, read_head_config
+from jllm.eagle3.head import Eagle3Head
 from jllm.errors import JllmError
 from jllm.gguf.reader import read_gguf
+from jllm.model.config import config_from_gguf
 from jllm.model.loader import default_precision, load_model, resolve_device
 from jllm.plan import check_limit, physical_memory, plan
 from jllm.sampling import SamplingParams, make_generator, sample
@@ -29,7 +32,7 @@ from jllm.spec.compat import check_compatible
 from jllm.spec.config import SpecConfig, draft_precision_for
 from jllm.spec.loop import SpeculativeDecoder
 from jllm.spec.policy import DraftGate
-from jllm.spec.proposers import DraftModelProposer
+from jllm.spec.proposers import DraftModelProposer, HeadProposer
 from jllm.spec.stats import SpecStats
 from jllm.stops import StopMatcher
 from jllm.tokenizer.chat import ChatTemplate
@@ -115,11 +118,15 @@ class Engine:
         self.chat_template = ChatTemplate.from_metadata(self.gguf.metadata, self.tokenizer)
         self.precision = precision or default_precision(self.device)
         draft_gguf = self._check_draft(draft_path) if draft_path is not None else None   # fail before loading
+        head_gguf = draft_gguf if draft_gguf is not None and is_head(draft_gguf) else None
+        if head_gguf is not None:
+            draft_gguf = None
         if self.device.type == "cpu":
             self._check_memory(draft_gguf, spec, ctx_size)
         self.ctx_size = ctx_size
-        self.draft: Sequence | None = None          # the draft model's sequence, and the proposer over it
-        self.draft_proposer: DraftModelProposer | None = None
+        self.draft: Sequence | None = None          # the draft model's sequence
+        self.head: Eagle3Head | None = None         # or an EAGLE-3 head on the target's hidden states
+        self.draft_proposer = None                  # the proposer over either
         # the draft loads beside the target: a load is mostly file reads and page faults, which two cores
         # overlap (a second start of the default pair: ~1 s less)
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="jllm-draft-load") as pool:
@@ -127,7 +134,11 @@ class Engine:
             self.model = load_model(self.gguf, self.device, self.precision, max_positions=ctx_size)
             if draft_loading is not None:
                 draft_loading.result()
-        self.target = Sequence(self.model, ctx_size)
+        if head_gguf is not None:                   # the head shares the target's embedding (and output)
+            self.head = Eagle3Head.load(head_gguf, self.model, max_tokens=ctx_size)
+        self.target = Sequence(self.model, ctx_size, capture=self.head.target_layers if self.head else None)
+        if self.head is not None:
+            self.draft_proposer = HeadProposer(self.head, self.target)
         self.spec = spec if spec is not None and spec.mode != "none" else None
         self.gate: DraftGate | None = None     # the draft gate, kept across generations (a chat's turns)
         self.kv_store = None
@@ -140,6 +151,9 @@ class Engine:
                 draft_fp = model_fingerprint(dm.gguf, f"{self.draft_precision}@{self.device.type}"
                                                       f"/vocab{dm.w.output.out_features}"
                                                       f"/kv-{dtype_name(self.draft.cache.k.dtype)}")
+            elif self.head is not None:             # the head's state is kept in the draft's slot
+                draft_fp = model_fingerprint(self.head.gguf, f"eagle3/{self.head.precision}@{self.device.type}"
+                                                             f"/kv-{dtype_name(self.head.cache.k.dtype)}")
             self.kv_store = KVStore(kv_store_dir, max_bytes=kv_store_bytes,
                                     target_fingerprint=model_fingerprint(self.gguf, tag),
                                     draft_fingerprint=draft_fp)
@@ -158,12 +172,19 @@ class Engine:
         self.target.reset()
         if self.draft is not None:
             self.draft.reset()
+        if self.head is not None:
+            self.draft_proposer.reset()
         self.gate = None
 
     def _check_draft(self, draft_path: str):
-        """Read the draft's header and check its tokenizer against the target's, before any weights load."""
+        """Read the draft's header and check it against the target, before any weights load: a draft model's
+        tokenizer, or everything an EAGLE-3 head depends on (format.check_target)."""
         dg = read_gguf(draft_path)
-        check_compatible(self.gguf.metadata, dg.metadata, self.gguf.path.name, dg.path.name)
+        if is_head(dg):
+            cfg = config_from_gguf(self.gguf.metadata, set(self.gguf.tensors), str(self.gguf.path))
+            check_target(read_head_config(dg), dg, cfg, self.gguf, read_d2t(dg))
+        else:
+            check_compatible(self.gguf.metadata, dg.metadata, self.gguf.path.name, dg.path.name)
         return dg
 
     def _check_memory(self, draft_gguf, spec, ctx_size: int) -> None:
@@ -222,7 +243,12 @@ class Engine:
             state = self.kv_store.load(name, n)
             # another process may have replaced the entry since lookup: use it only if it still matches
             if state is not None and list(state.tokens[:n]) == ids[:n]:
-                self.target.load(ids[:n], state.target_k, state.target_v)
+                if self.head is not None and state.draft_k is not None and n > 1:
+                    # the head's positions are one behind the tokens (HeadProposer), so the target takes one
+                    # token fewer and computes the hidden state the head's next row needs
+                    n -= 1
+                    self.draft_proposer.load(ids[:n + 1], state.draft_k[:, :, :n], state.draft_v[:, :, :n])
+                self.target.load(ids[:n], state.target_k[:, :, :n], state.target_v[:, :, :n])
                 if self.draft is not None and state.draft_k is not None:
                     self.draft.load(ids[:n], state.draft_k, state.draft_v)
         if timings is not None:
@@ -238,6 +264,10 @@ class Engine:
         if self.draft is not None:                  # the draft's state covers the same tokens
             self.draft.sync(tokens)
             _, state.draft_k, state.draft_v = self.draft.export(len(tokens))
+        elif self.head is not None and len(tokens) > 1:
+            head = self.draft_proposer.export(tokens)     # one position fewer than the tokens, padded by one
+            if head is not None:
+                state.draft_k, state.draft_v = head
 
         def save():
             try:
@@ -276,6 +306,8 @@ class Engine:
         logits, evaluated = self.prefill(prompt_ids, conv_id, timings)
         if self.spec is not None and self.draft is not None:
             self.draft.sync(prompt_ids)        # the draft's prompt prefill belongs to prompt time, not decode
+        if self.spec is not None and self.head is not None:
+            self.draft_proposer.catch_up(prompt_ids)      # the head's, likewise
         timings.prompt_eval_ms = (time.perf_counter() - t0) * 1000 - timings.hydrate_ms
         timings.prompt_tokens_evaluated = evaluated
         timings.cached_tokens = len(prompt_ids) - evaluated

@@ -9,6 +9,10 @@ here, so the two cannot drift apart:
     reset()             hold nothing
     load / export       the persistent KV cache's hydrate and save
 The target, the draft model and the KV store's hydrate all use it (engine.py, spec/proposers.py).
+
+With `capture` (an EAGLE-3 head's target layers) every forward also keeps the captured hidden states of its
+rows by position in `features` [max_tokens, len(capture) * hidden], the head's input. They are valid from
+`features_from` on: positions loaded from the persistent store were never computed here.
 """
 
 from __future__ import annotations
@@ -27,12 +31,17 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class Sequence:
-    def __init__(self, model, max_tokens: int):
+    def __init__(self, model, max_tokens: int, capture: tuple[int, ...] | None = None):
         """model: a jllm.model.transformer.Transformer (anything with new_cache, forward and device)."""
         self.model = model
         self.cache = model.new_cache(max_tokens)
         self.ids: list[int] = []
         self.evaluated = 0          # tokens the latest sync() ran through the model
+        self.capture = tuple(capture) if capture else None
+        self.features = None
+        self.features_from = 0
+        if self.capture:            # bf16: the head only proposes, and the residual stream's range needs its exponent
+            self.features = torch.zeros(max_tokens, len(self.capture) * model.cfg.hidden, dtype=torch.bfloat16)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -55,8 +64,13 @@ class Sequence:
     def forward(self, tokens: list[int], last_only: bool = False, leaf: int | None = None) -> torch.Tensor:
         """Evaluate `tokens` after the held ones and hold them too -> logits [T, vocab] ([1, vocab] with
         last_only). leaf: see Transformer.forward (the last token is a side leaf of position `leaf`)."""
-        logits = self.model.forward(torch.tensor(tokens, device=self.model.device), self.cache,
-                                    last_only=last_only, leaf=leaf)
+        start = len(self.ids)
+        x = torch.tensor(tokens, device=self.model.device)
+        if self.capture is None:
+            logits = self.model.forward(x, self.cache, last_only=last_only, leaf=leaf)
+        else:
+            logits, hidden = self.model.forward(x, self.cache, last_only=last_only, leaf=leaf, capture=self.capture)
+            self.features[start:start + len(tokens)] = hidden
         self.ids.extend(tokens)
         return logits
 
@@ -73,6 +87,8 @@ class Sequence:
             raise ValueError(f"cannot keep {len(ids)} tokens from {start} in a sequence of {len(self.ids)}")
         if moved_from is not None:
             self.cache.move(moved_from, end - 1)
+            if self.features is not None:
+                self.features[end - 1] = self.features[moved_from]
         self.cache.truncate(end)
         self.ids[start:] = ids
 
@@ -80,6 +96,7 @@ class Sequence:
         """Hold only the first n tokens."""
         self.cache.truncate(n)
         del self.ids[n:]
+        self.features_from = min(self.features_from, n)
 
     def reset(self) -> None:
         self.rollback(0)
@@ -90,6 +107,7 @@ class Sequence:
             raise ValueError(f"{len(ids)} ids for a state of {k.shape[2]} positions")
         self.cache.load(k.to(self.model.device), v.to(self.model.device))
         self.ids = list(ids)
+        self.features_from = len(ids)
 
     def export(self, n: int | None = None) -> tuple[list[int], torch.Tensor, torch.Tensor]:
         """The first n held tokens (all by default) with copies of their keys and values, on the CPU."""

@@ -12,7 +12,8 @@ MODES = ("auto", "draft", "ngram", "draft+ngram", "none")
 
 @dataclass
 class SpecConfig:
-    mode: str = "auto"          # auto: draft+ngram with a draft model, ngram without
+    mode: str = "auto"          # auto: draft+ngram with a draft model or head, ngram without; "draft" means the
+                                # model proposer, whichever -md loaded
     draft_max: int = DRAFT_MAX  # most tokens proposed per round
     draft_min: int = DRAFT_MIN  # fewest tokens a round may propose (adaptive k stays within [min, max])
     p_min: float = P_MIN        # the draft model drafts on while the product of its probabilities stays above

@@ -2,7 +2,7 @@
 prefix plus one target token, roll the caches back to it.
 
 The target's Sequence holds every token but the newest one (`last`), exactly as in plain decoding. A round:
-    proposal = proposer.propose(context, k)              # proposers.py: n-gram lookup, or the draft model
+    proposal = proposer.propose(context, k)              # proposers.py: n-gram, the draft model or a head
     logits   = target.forward([last, d1..dk])            # [k+1, V], one pass (batch-invariant: linear.py)
     verdict  = verify_block(...)                         # verify.py: accepted tokens, then recovered/bonus
     target.keep(before, [last] + accepted)               # rollback moves a length, never copies
@@ -107,7 +107,7 @@ class SpeculativeDecoder:
         """Feed a round's outcome to the statistics, the gate's cost model and the length rules."""
         kind, drafted, n = proposal.kind, len(proposal.tokens), len(verdict.accepted)
         self.stats.verify_s += verify_s
-        is_draft = kind == "draft"
+        is_draft = kind != "ngram"                  # a model drafted: the draft model or the head
         self.gate.observe(verify_s, rows, proposal.step_s if is_draft else None)
         if is_draft:
             self.gate.record(n + 1, proposal.forwards, rows)
@@ -118,7 +118,8 @@ class SpeculativeDecoder:
             self.stats.leaves += 1
             self.stats.leaves_taken += verdict.leaf_taken
             self.gate.observe_leaf(verdict.leaf_taken)
-        self.k[kind] = next_length(kind, self.k[kind], drafted, n, self.cfg.draft_min, self.cfg.draft_max)
+        key = "draft" if is_draft else "ngram"
+        self.k[key] = next_length(kind, self.k[key], drafted, n, self.cfg.draft_min, self.cfg.draft_max)
         if kind == "ngram":
             self.ngram_held[0] += n
             self.ngram_held[1] += n < drafted

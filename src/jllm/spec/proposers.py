@@ -3,6 +3,7 @@ Proposal (the tokens, and the distributions they were drawn from or None for poi
 
 - NgramProposer: prompt lookup (ngram.py), free; its match length says how far to trust it.
 - DraftModelProposer: a smaller model with the target's tokenizer, on its own Sequence.
+- HeadProposer: an EAGLE-3 head (jllm/eagle3) over the target's own hidden states.
 The loop (loop.py) asks them in turn and verifies whatever comes back the same way (verify.py); the
 policy (policy.py) decides how far they draft.
 """
@@ -16,7 +17,8 @@ from typing import Callable
 import torch
 
 from jllm.sampling import SamplingParams, draw, probs
-from jllm.sequence import Sequence
+from jllm.eagle3.head import Step
+from jllm.sequence import Sequence, common_prefix
 from jllm.spec.ngram import NgramIndex
 from jllm.spec.policy import draft_goes_on, leaf_position
 
@@ -63,58 +65,157 @@ class NgramProposer:
         return Proposal(tokens, kind="ngram", match=self.index.last_match_len)
 
 
+def draft_chain(logits: torch.Tensor, step, k: int, limits: Limits, context: list[int], choose) -> Proposal:
+    """The drafting loop shared by the model proposers. logits: the proposer's prediction of the first token;
+    step(token) -> the prediction of the next one (one forward pass); choose(logits, params, gen, history) ->
+    (token, its probability, the distribution it was drawn from or None). Drafting goes on while the
+    product of the probabilities (`chain`) stays >= p_min (against half of it when sampling) and the
+    policy's `extend` agrees (policy.draft_goes_on). Greedy with leaf_p > 0: a side leaf, the second choice
+    at the least confident position (policy.leaf_position)."""
+    params = limits.params
+    threshold = limits.p_min if params.greedy else limits.p_min * 0.5
+    tokens, qs, ps, logits_at, chain = [], [], [], [], 1.0
+    step_s, forwards = None, 0
+    while True:
+        tok, p, q = choose(logits, params, limits.gen, context + tokens)
+        tokens.append(tok)
+        ps.append(p)
+        logits_at.append(logits)
+        if q is not None:
+            qs.append(q)
+        chain *= p
+        if not draft_goes_on(len(tokens), k, limits.k_min, chain, threshold, limits.extend):
+            break
+        t = time.perf_counter()
+        logits = step(tok)
+        step_s = time.perf_counter() - t
+        forwards += 1
+    leaf = None
+    if params.greedy and limits.leaf_p > 0:
+        i = leaf_position(ps, limits.leaf_p)
+        if i is not None:
+            leaf = (i, choose.second(logits_at[i], tokens[i]))
+    return Proposal(tokens, torch.stack(qs) if qs else None, leaf=leaf, forwards=forwards, step_s=step_s)
+
+
+class Chooser:
+    """Picks a draft token from a proposer's logits over `vocab_ids` (None: the target's ids themselves)."""
+
+    def __init__(self, kernels=None, vocab_ids: list[int] | None = None, to_target=None):
+        self.top_prob = kernels.top_prob if kernels is not None else None   # argmax and its probability, native
+        self.ids = vocab_ids
+        self.to_target = to_target          # draft-vocabulary logits -> target-vocabulary logits (sampling)
+
+    def __call__(self, logits: torch.Tensor, params: SamplingParams, gen, history: list[int]):
+        """-> (token, its probability, the distribution it was drawn from or None when greedy)."""
+        if params.greedy:
+            if self.top_prob is not None:
+                tok, p = self.top_prob(logits.float())
+            else:
+                top_p, tok = torch.softmax(logits.float(), -1).max(-1)
+                tok, p = int(tok), top_p.item()
+            return (self.ids[tok] if self.ids is not None else tok), p, None
+        q = probs(self.to_target(logits) if self.to_target is not None else logits, params, history)
+        tok = int(draw(q[None], gen)[0])
+        return tok, q[tok].item(), q
+
+    def second(self, logits: torch.Tensor, first: int) -> int:
+        """The best token other than `first` (a target id)."""
+        top = logits.float().topk(2).indices.tolist()
+        ids = [self.ids[t] for t in top] if self.ids is not None else top
+        return [t for t in ids if t != first][0]
+
+
 class DraftModelProposer:
-    """A draft model on its own Sequence, kept equal to a prefix of the target's context. Drafting goes on
-    while the product of the draft's probabilities of its tokens stays >= p_min (its top probability when
-    greedy; q of the drawn token when sampling, against half the threshold) and the policy's `extend` agrees
-    (policy.draft_goes_on)."""
+    """A draft model on its own Sequence, kept equal to a prefix of the target's context."""
 
     kind = "draft"
 
     def __init__(self, seq: Sequence):
         self.seq = seq
-        kernels = getattr(seq.model, "kernels", None)
-        self.top_prob = kernels.top_prob if kernels is not None else None   # argmax and its probability, native
+        self.choose = Chooser(getattr(seq.model, "kernels", None))
 
     def propose(self, context: list[int], k: int, limits: Limits) -> Proposal:
-        params = limits.params
         t = time.perf_counter()
         logits = self.seq.sync(context)
-        step_s = time.perf_counter() - t if self.seq.evaluated == 1 else None
-        forwards = 1
-        threshold = limits.p_min if params.greedy else limits.p_min * 0.5
-        tokens, qs, ps, logits_at, chain = [], [], [], [], 1.0
-        while True:
-            tok, p, q = self._choose(logits, params, limits.gen, context + tokens)
-            tokens.append(tok)
-            ps.append(p)
-            logits_at.append(logits)
-            if q is not None:
-                qs.append(q)
-            chain *= p
-            if not draft_goes_on(len(tokens), k, limits.k_min, chain, threshold, limits.extend):
-                break
-            t = time.perf_counter()
-            logits = self.seq.step(tok)
-            step_s = time.perf_counter() - t
-            forwards += 1
-        leaf = None
-        if params.greedy and limits.leaf_p > 0:
-            i = leaf_position(ps, limits.leaf_p)
-            if i is not None:
-                alt = [a for a in logits_at[i].float().topk(2).indices.tolist() if a != tokens[i]][0]
-                leaf = (i, alt)
-        return Proposal(tokens, torch.stack(qs) if qs else None, kind="draft", leaf=leaf, forwards=forwards,
-                        step_s=step_s)
+        sync_s = time.perf_counter() - t
+        p = draft_chain(logits, self.seq.step, k, limits, context, self.choose)
+        p.kind, p.forwards = "draft", p.forwards + 1
+        if p.step_s is None and self.seq.evaluated == 1:      # the sync was a one-token step itself
+            p.step_s = sync_s
+        return p
 
-    def _choose(self, logits: torch.Tensor, params: SamplingParams, gen, history: list[int]):
-        """-> (token, its probability, the distribution it was drawn from or None when greedy)."""
-        if params.greedy and self.top_prob is not None:
-            tok, p = self.top_prob(logits.float())
-            return tok, p, None
-        if params.greedy:
-            top_p, tok = torch.softmax(logits.float(), -1).max(-1)
-            return int(tok), top_p.item(), None
-        q = probs(logits, params, history)
-        tok = int(draw(q[None], gen)[0])
-        return tok, q[tok].item(), q
+
+class HeadProposer:
+    """An EAGLE-3 head (jllm.eagle3.head) drafting from the target's captured hidden states.
+
+    Head position P pairs the token at P + 1 with the target's states at P (format.py), so for a context of
+    n tokens (the target holds n - 1 of them, the newest is still to be evaluated) the head covers positions
+    0 .. n - 2 before drafting; `paired` lists the tokens its positions hold. The first draft comes from the
+    last of those rows, each later one from a step fed the head's own output state; the steps' positions
+    are dropped again at the next round's catch-up."""
+
+    kind = "head"
+
+    def __init__(self, head, target: Sequence):
+        self.head, self.target = head, target
+        self.paired: list[int] = []
+        ids = head._d2t_list
+        self.choose = Chooser(head.kernels, ids, head.target_logits if ids is not None else None)
+
+    def reset(self) -> None:
+        self.head.truncate(0)
+        self.paired = []
+
+    def load(self, tokens: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Hold the stored head state k, v [1, Hk, n, hd] of positions 0 .. n - 1, paired with tokens[1:]
+        (n + 1 tokens)."""
+        if len(tokens) != k.shape[2] + 1:
+            raise ValueError(f"{len(tokens)} tokens for a head state of {k.shape[2]} positions")
+        self.head.cache.load(k, v)
+        self.paired = list(tokens[1:])
+
+    def export(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The head's state for a context of `tokens`, all held by the target: its len(tokens) - 1 positions,
+        padded with one zero position so that it has one per token (the store's shape); None if the target's
+        states for rows it lacks are not here."""
+        if self.catch_up(tokens) is None:
+            return None
+        n = len(tokens) - 1
+        k, v = self.head.cache.export(n)
+        pad = torch.zeros_like(k[:, :, :1])
+        return torch.cat([k, pad], 2).cpu(), torch.cat([v, pad], 2).cpu()
+
+    def catch_up(self, context: list[int]) -> Step | None:
+        """Cover positions 0 .. len(context) - 2 -> the last row's prediction (None: the target's states
+        for the missing rows are not here, as right after a hydrate without the head's state)."""
+        n = len(context) - 1
+        keep = min(common_prefix(self.paired, context[1:]), n - 1, self.head.length)
+        self.head.truncate(keep)
+        del self.paired[keep:]
+        if keep < self.target.features_from:
+            return None
+        step = self.head.prefill(self.target.features[keep:n], context[keep + 1:n + 1])
+        self.paired.extend(context[keep + 1:n + 1])
+        return step
+
+    def propose(self, context: list[int], k: int, limits: Limits) -> Proposal:
+        t = time.perf_counter()
+        first = self.catch_up(context)
+        if first is None:
+            return Proposal([], kind="head")
+        rows = self.head.length
+        state = [first.state]
+
+        def step(token: int) -> torch.Tensor:
+            s = self.head.step(token, state[0])
+            state[0] = s.state
+            return s.logits
+
+        catch_s = time.perf_counter() - t
+        p = draft_chain(first.logits, step, k, limits, context, self.choose)
+        self.head.truncate(rows)                 # the drafted positions are the next round's to recompute
+        p.kind, p.forwards = "head", p.forwards + 1
+        if p.step_s is None:
+            p.step_s = catch_s
+        return p

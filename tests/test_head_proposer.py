@@ -1,0 +1,94 @@
+"""The EAGLE-3 head as a proposer (spec/proposers.py HeadProposer) in the engine: `-md HEAD.gguf` loads it,
+greedy output stays plain decoding's over 64 tokens, the head's catch-up pairs each target state with the
+token after it exactly as a head prefilled from scratch, and the persistent KV store keeps the head's state."""
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from jllm.engine import Engine
+from jllm.errors import JllmError
+from jllm.sampling import SamplingParams
+from jllm.spec.config import SpecConfig
+from synthetic import write_tiny_model
+from test_eagle3 import write_head
+
+PROMPT = "the cat sat on the mat and the cat sat on the"
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("headprop")
+    ref = write_tiny_model(d / "target.gguf", "qwen2", Q.Q8_0)
+    write_head(d / "head.gguf", ref, qtype=Q.Q8_0)
+    other = write_tiny_model(d / "other.gguf", "llama", Q.Q8_0)
+    write_head(d / "wrong.gguf", other, qtype=Q.Q8_0)          # a head made for another target
+    return {k: str(d / f"{k}.gguf") for k in ("target", "head", "wrong")}
+
+
+@pytest.fixture(autouse=True)
+def _dirs(tmp_path, monkeypatch):
+    monkeypatch.setenv("JLLM_CONVERTED_DIR", str(tmp_path / "converted"))
+    from jllm.tokenizer.tokenizer import Tokenizer
+
+    monkeypatch.setattr(Tokenizer, "eot_ids", property(lambda self: frozenset()))   # run the whole budget
+
+
+def engine(path, head=None, mode="draft", **kw):
+    return Engine(path, ctx_size=256, threads=1, draft_path=head, precision="native",
+                  spec=SpecConfig(mode=mode, p_min=0.0, cost_stop=False), **kw)
+
+
+def test_head_proposes_and_the_output_is_plain_decodings(files):
+    p = SamplingParams(max_tokens=64)
+    ref = engine(files["target"], mode="none").generate(PROMPT, p)
+    eng = engine(files["target"], files["head"])
+    assert eng.head is not None and eng.draft is None
+    out = eng.generate(PROMPT, p)
+    assert len(out.token_ids) == 64 and out.token_ids == ref.token_ids
+    st = out.spec_stats.as_dict()
+    assert st["by_proposer"]["head"]["drafted"] > 0
+    # sampled generations run through the head's distributions and stay reproducible
+    s = SamplingParams(max_tokens=32, temperature=1.0, seed=5)
+    eng.reset()
+    a = eng.generate(PROMPT, s).token_ids
+    eng.reset()
+    assert eng.generate(PROMPT, s).token_ids == a and len(a) == 32
+
+
+def test_catch_up_pairs_states_with_the_next_token(files):
+    eng = engine(files["target"], files["head"])
+    eng.generate(PROMPT, SamplingParams(max_tokens=20))
+    prop, head = eng.draft_proposer, eng.head
+    context = eng.target.ids + [7]
+    got = prop.catch_up(context)
+    assert head.length == len(context) - 1 and prop.paired == context[1:]
+    # a head prefilled from scratch over the target's states of the whole context
+    _, hidden = eng.model.forward(torch.tensor(context[:-1]), eng.model.new_cache(256),
+                                  capture=head.target_layers)
+    head.truncate(0)
+    want = head.prefill(hidden.bfloat16(), context[1:])       # the states as the Sequence keeps them
+    assert torch.equal(got.logits, want.logits) and torch.equal(got.state, want.state)
+
+
+def test_the_store_keeps_the_heads_state(files, tmp_path):
+    kv = str(tmp_path / "kv")
+    p = SamplingParams(max_tokens=24)
+    first = engine(files["target"], files["head"], kv_store_dir=kv)
+    turn1 = first.generate(PROMPT, p, conv_id="c")
+    first.wait_saves()
+    ids = first.encode(PROMPT) + turn1.token_ids + first.encode(" and then")
+    again = engine(files["target"], files["head"], kv_store_dir=kv)
+    res = again.generate(ids, p, conv_id="c")
+    assert res.timings.cached_tokens > 0
+    n = res.timings.cached_tokens
+    assert again.draft_proposer.paired[:n] == ids[1:n + 1]      # the head's stored positions came back
+    assert res.spec_stats.as_dict()["by_proposer"]["head"]["drafted"] > 0
+    plain = engine(files["target"], mode="none").generate(ids, p)
+    assert res.token_ids == plain.token_ids
+
+
+def test_a_head_for_another_target_is_refused_in_one_line(files):
+    with pytest.raises(JllmError, match="was not made for") as e:
+        engine(files["target"], files["wrong"])
+    assert "\n" not in str(e.value)
