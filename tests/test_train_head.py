@@ -184,3 +184,33 @@ def test_train_loss_falls_and_the_gguf_loads(target, tmp_path):
     w = dequantize(g.raw(fmt.OUTPUT), g.tensors[fmt.OUTPUT].ggml_type, g.tensors[fmt.OUTPUT].shape)
     err = (w - head.lm_head.weight).norm() / head.lm_head.weight.norm()
     assert err < 0.15
+
+
+def test_jllm_runs_the_written_head_as_it_was_trained(target, tmp_path):
+    """The written file, run by jllm's eagle3 head over jllm's target (its captured states), drafts what the
+    training code computed: same layer inputs, same rows, same RoPE, same d2t."""
+    from jllm.eagle3.head import Eagle3Head as RuntimeHead
+    from jllm.model.loader import load_model
+
+    tg, _, d = target
+    ids = [5, 17, 250, 40, 41, 3, 99, 120, 7, 66, 12, 200]
+    jm = load_model(d / "target.gguf", precision="exact", cache_weights=False)
+    torch.manual_seed(2)
+    head = new_head(tg, np.arange(0, 300, 3, dtype=np.int64), ffn=96)
+    _, hidden = jm.forward(torch.tensor(ids), jm.new_cache(32), capture=head.c.target_layers)
+    feats, _ = tg.features(torch.tensor([ids]), torch.tensor([len(ids)]), head.c.target_layers)
+    assert torch.allclose(hidden, feats[0], atol=1e-4)          # jllm's captured states = training features
+
+    path = tmp_path / "head_f32.gguf"
+    write_head(path, head, str(d / "target.gguf"), gguf.GGMLQuantizationType.F32)
+    rt = RuntimeHead.load(path, jm, precision="exact", use_cache=False)
+    t, steps = 5, 4
+    with torch.no_grad():
+        hs = list(head.unroll(feats, torch.tensor([ids]), steps))
+        s = rt.prefill(hidden[:t + 1], ids[1:t + 2])             # rows 0..t: (token s + 1, g_s)
+        for j in range(steps):
+            if j:
+                s = rt.step(ids[t + 1 + j], s.state)             # the drafted row, fed its own state
+            assert torch.allclose(s.state, hs[j][0, t], atol=1e-3), j
+            assert torch.allclose(s.logits, head.logits(hs[j][0, t]), atol=1e-3), j
+        assert rt.target_id(int(s.logits.argmax())) == int(head.d2t[head.logits(hs[-1][0, t]).argmax()])
