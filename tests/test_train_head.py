@@ -17,7 +17,7 @@ from jllm.model.config import config_from_gguf
 from jllm.train import data as data_mod
 from jllm.train.eagle3 import Eagle3Head, HeadConfig, rope_interleaved
 from jllm.train.export import write_head
-from jllm.train.head import TrainConfig, collate, new_head, train
+from jllm.train.head import TrainConfig, new_head, train
 from jllm.train.target import load_target
 
 SNIPPET = '''def merge(a, b):
