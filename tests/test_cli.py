@@ -1,4 +1,6 @@
-"""The `jllm` command line (jllm/cli.py), run as a subprocess on a tiny synthetic model.
+"""The `jllm` command line (jllm/cli.py), run as a process of its own on a tiny synthetic model: forked by
+tests/jllm_child.py (which paid for `import torch` once), or, where the interpreter's own start-up matters,
+as `python -m jllm`.
 
 Every user mistake must end as exactly one line on stderr, `jllm: <what was wrong>`, a non-zero exit status,
 and no traceback.
@@ -24,6 +26,15 @@ REPO = Path(__file__).resolve().parents[1]
 TIMINGS = {"load_ms", "prompt_eval_ms", "prompt_tok_s", "decode_ms", "decode_tokens", "decode_tok_s"}
 
 
+FORKS = None                    # the session's JllmForks (conftest.py), set by _forks for jllm() below
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forks(jllm_forks):
+    global FORKS
+    FORKS = jllm_forks
+
+
 @pytest.fixture(scope="module")
 def home(tmp_path_factory) -> Path:
     """A folder holding tiny.gguf (qwen2; ffn 256 so that ffn_down rows fit 256-value quant blocks)."""
@@ -32,15 +43,19 @@ def home(tmp_path_factory) -> Path:
     return d
 
 
-def jllm(home: Path, *args: str, stdin: str | bytes | None = None, env: dict | None = None):
+def jllm(home: Path, *args: str, stdin: str | bytes | None = None, env: dict | None = None,
+         interpreter: bool = False):
+    """`jllm args` in home, forked (interpreter=False) or as `python -m jllm` -> CompletedProcess (str output)."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("JLLM_")}
     full_env.update(JLLM_CONVERTED_DIR=str(home / "converted"), JLLM_MODELS_DIR=str(home / "models"),
                     PYTHONPATH=str(REPO / "src"))
     full_env.update(env or {})
+    stdin = stdin if isinstance(stdin, bytes) else (stdin or "").encode()
+    if not interpreter:
+        return FORKS.run(list(args), env=full_env, cwd=home, stdin=stdin)
     # bytes, not text=True: universal newlines would turn a progress bar's carriage returns into line breaks
-    proc = subprocess.run([sys.executable, "-m", "jllm", *args], cwd=home, env=full_env,
-                          input=stdin if isinstance(stdin, bytes) else (stdin or "").encode(), capture_output=True,
-                          timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "jllm", *args], cwd=home, env=full_env, input=stdin,
+                          capture_output=True, timeout=120)
     proc.stdout, proc.stderr = proc.stdout.decode(), proc.stderr.decode()
     return proc
 
@@ -222,7 +237,7 @@ def test_plan_refuses_a_context_size_below_one(home):
 
 
 def test_generate_json(home):
-    proc = jllm(home, "generate", "-m", "tiny.gguf", "-p", "hi", "-n", "5", "--json")
+    proc = jllm(home, "generate", "-m", "tiny.gguf", "-p", "hi", "-n", "5", "--json", interpreter=True)
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
     lines = proc.stdout.splitlines()
@@ -288,10 +303,11 @@ def test_chat_over_stdin(home):
 def test_bytes_that_are_not_utf8_are_read_as_replacement_characters(home):
     """Argument and stdin bytes that are not UTF-8 reach Python as lone surrogates, which the tokenizer and the
     stored conversation cannot take: they are read as U+FFFD."""
-    proc = jllm(home, "generate", "-m", "tiny.gguf", "-n", "2", "-p", os.fsdecode(b"hi \xff there"))
+    proc = jllm(home, "generate", "-m", "tiny.gguf", "-n", "2", "-p", os.fsdecode(b"hi \xff there"), interpreter=True)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
     proc = jllm(home, "chat", "-m", "tiny.gguf", "-n", "2", "--cache-dir", str(home / "kv-utf8"),
-                "--conversation", "bytes", "--system", os.fsdecode(b"\xfe"), stdin=b"hi\n\xff\xfe bad\n")
+                "--conversation", "bytes", "--system", os.fsdecode(b"\xfe"), stdin=b"hi\n\xff\xfe bad\n",
+                interpreter=True)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
     assert len(proc.stdout.split("> ")) == 4                    # two answers, then EOF
     saved = json.loads((home / "kv-utf8" / "conversations" / "bytes.json").read_text())
@@ -371,7 +387,7 @@ def test_chat_with_a_model_without_a_chat_template_says_it_is_a_base_model(home)
 
 
 def test_an_unknown_flag_prints_the_subcommand_usage(home):
-    proc = jllm(home, "chat", "-m", "tiny.gguf", "--no-such-flag")
+    proc = jllm(home, "chat", "-m", "tiny.gguf", "--no-such-flag", interpreter=True)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "jllm chat: error: unrecognized arguments: --no-such-flag" in proc.stderr, proc.stderr
     assert "usage: jllm chat" in proc.stderr
