@@ -214,3 +214,14 @@ def test_jllm_runs_the_written_head_as_it_was_trained(target, tmp_path):
             assert torch.allclose(s.state, hs[j][0, t], atol=1e-3), j
             assert torch.allclose(s.logits, head.logits(hs[j][0, t]), atol=1e-3), j
         assert rt.target_id(int(s.logits.argmax())) == int(head.d2t[head.logits(hs[-1][0, t]).argmax()])
+
+
+def test_cli_passes_its_arguments_to_the_trainer(capsys, tmp_path):
+    from jllm import cli
+
+    assert cli.main(["train-head", "-m", "no-such-model", "-o", str(tmp_path / "h.gguf")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("jllm train-head: unknown model 'no-such-model'") and "\n" not in err
+    with pytest.raises(SystemExit):
+        cli.main(["train-head", "--help"])
+    assert "--gen-time" in capsys.readouterr().out

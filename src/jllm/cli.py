@@ -501,6 +501,13 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return run_bench(a)
 
 
+def cmd_train_head(a: argparse.Namespace) -> int:
+    """Everything after `train-head` goes to jllm.train.head, which has its own options."""
+    from jllm.train.head import main as train_main
+
+    return train_main(list(a.args))
+
+
 def cmd_plan(a: argparse.Namespace) -> int:
     from jllm.plan import check_limit, plan, print_plan
     from jllm.catalog import resolve
@@ -604,6 +611,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--conversations", type=int, default=3, help="conversations for --multiturn")
     b.add_argument("--first-tokens", type=int, default=1500, help="tokens in the first message (--multiturn)")
     b.set_defaults(func=cmd_bench)
+
+    t = sub.add_parser("train-head", add_help=False, prefix_chars="\0",
+                       help="train an EAGLE-3 draft head for a target on a CUDA machine "
+                       "(`jllm train-head --help` lists its options)")
+    t.add_argument("args", nargs="*")
+    t.set_defaults(func=cmd_train_head)
     ap.subcommands = sub.choices
     return ap
 

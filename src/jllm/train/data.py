@@ -191,8 +191,10 @@ def magpie_users(target, n: int, batch: int, max_new: int, seed: int) -> list[st
 
 def generate(target, n_magpie: int, n_package: int, max_new: int = 512, batch: int = 32,
              user_max_new: int = 128, sampled_frac: float = 0.5, max_prompt: int = 1024, seed: int = 0,
-             files: list[Path] | None = None, log=print) -> Conversations:
-    """Self-distilled conversations: the prompts of both sources, the target's replies to them."""
+             files: list[Path] | None = None, log=print, time_limit: float | None = None) -> Conversations:
+    """Self-distilled conversations: the prompts of both sources, the target's replies to them. Batches of
+    like lengths are generated in a random order, so a time_limit (seconds for the replies) that stops early
+    keeps a sample of every source, length and mode."""
     rng = random.Random(seed)
     tok, tpl = target.tokenizer, target.template
     t0 = time.perf_counter()
@@ -202,8 +204,13 @@ def generate(target, n_magpie: int, n_package: int, max_new: int = 512, batch: i
     prompts = [(chat_prompt(tpl, tok, u), s) for u, s in users]
     prompts = [(p, s, rng.random() < sampled_frac) for p, s in prompts if len(p) <= max_prompt]
     prompts.sort(key=lambda x: (x[2], len(x[0])))            # like lengths together: less padding
+    chunks = list(_batches(prompts, batch))
+    rng.shuffle(chunks)
     rows = []
-    for chunk in _batches(prompts, batch):
+    for chunk in chunks:
+        if time_limit is not None and time.perf_counter() - t1 > time_limit:
+            log(f"data: time limit of {time_limit:.0f} s reached after {len(rows)} replies")
+            break
         for mode in (False, True):
             part = [x for x in chunk if x[2] == mode]
             if not part:
@@ -211,6 +218,8 @@ def generate(target, n_magpie: int, n_package: int, max_new: int = 512, batch: i
             replies = target.generate([p for p, _, _ in part], max_new, sample=mode, temperature=0.8,
                                       top_p=0.95, seed=seed + len(rows))
             rows += [(p, r, s, m) for (p, s, m), r in zip(part, replies) if r]
+        log(f"data: {len(rows)} replies, {sum(len(r) for _, r, _, _ in rows)} tokens, "
+            f"{time.perf_counter() - t1:.0f} s")
     t2 = time.perf_counter()
     conv = Conversations.build(rows, dict(target=Path(target.path).name, tokenizer=tok.fingerprint(),
                                           max_new=max_new, seed=seed))

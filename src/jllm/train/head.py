@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from jllm.catalog import resolve
 from jllm.errors import JllmError
 from jllm.train import data as data_mod
 from jllm.train.eagle3 import Eagle3Head, HeadConfig
@@ -150,8 +151,8 @@ def train(target: Target, head: Eagle3Head, conv: data_mod.Conversations, tc: Tr
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jllm.train.head", description=__doc__.splitlines()[0])
-    ap.add_argument("-m", "--model", required=True, help="the target GGUF")
+    ap = argparse.ArgumentParser(prog="jllm train-head", description=__doc__.splitlines()[0])
+    ap.add_argument("-m", "--model", required=True, help="the target: an alias (jllm models) or a GGUF file")
     ap.add_argument("-o", "--out", required=True, help="the head GGUF to write")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--data", help="the conversations' .npz: read if it exists, else made and saved there")
@@ -160,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--package", type=int, default=3000, help="conversations over installed packages' files")
     ap.add_argument("--max-new", type=int, default=512, help="reply tokens at most")
     ap.add_argument("--gen-batch", type=int, default=128, help="prompts generated at once")
+    ap.add_argument("--gen-time", type=float, default=None, help="seconds at most for generating the replies")
     ap.add_argument("--sampled", type=float, default=0.5, help="fraction of replies sampled (else greedy)")
     ap.add_argument("--draft-vocab", type=int, default=24576)
     # 24576 x 1536 output rows and FFN 2304 in Q4_0 with the 1.5B's tokenizer: 39.7 MB (FFN 3840: 43.6 MB,
@@ -176,12 +178,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(a)
     except JllmError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"jllm train-head: {e}", file=sys.stderr)
         return 1
 
 
 def _run(a) -> int:
     t0 = time.perf_counter()
+    a.model = str(resolve(a.model))
     target = load_target(a.model, a.device)
     print(f"target: {Path(a.model).name}, {target.cfg.n_layers} layers, hidden {target.cfg.hidden}, "
           f"on {a.device} ({time.perf_counter() - t0:.1f} s)")
@@ -191,7 +194,7 @@ def _run(a) -> int:
         print(f"data: {a.data}: {len(conv)} conversations, {conv.reply_tokens()} reply tokens")
     else:
         conv = data_mod.generate(target, a.magpie, a.package, a.max_new, a.gen_batch, sampled_frac=a.sampled,
-                                 seed=a.seed)
+                                 seed=a.seed, time_limit=a.gen_time)
         if a.data:
             conv.save(a.data)
     if a.data_only:
