@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from jllm.kernels import qgemm
 
-pytestmark = pytest.mark.skipif(qgemm() is None, reason="native kernels unavailable on this machine")
+pytestmark = pytest.mark.usefixtures("kernels_required")
 
 
 def sdpa(q, k, v, start, window, scale):

@@ -2,9 +2,9 @@
 integer sums and the same float operations lane by lane, with the same reduction trees, as the AVX-512 build.
 Where the CPU has AVX-512, a build of the AVX2 path (JLLM_ISA=avx2, in its own process and build directory:
 one module per process) must give bitwise this process's results for every kernel. On an AVX2 CPU, the build
-without the one-pass tiles (JLLM_TWO_PASS=1) must give this build's bits."""
+without the one-pass tiles (JLLM_TWO_PASS=1) must give this build's bits. Those two are slow tests: each is a
+compile of its own (kept in the kernel cache, so only the first run pays)."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +14,7 @@ import torch
 
 from jllm import kernels
 
-pytestmark = pytest.mark.skipif(kernels.qgemm() is None, reason="native kernels unavailable on this machine")
+pytestmark = pytest.mark.usefixtures("kernels_required")
 
 
 def outputs() -> dict[str, torch.Tensor]:
@@ -67,11 +67,10 @@ torch.save(outputs(), {out!r})
 """
 
 
-def same_bits_as_build(tmp_path, **env_vars):
-    """outputs() of a build made with these environment variables, in its own process and build directory,
-    must equal this process's."""
+def same_bits_as_build(tmp_path, env: dict):
+    """outputs() of a build made with this environment, in its own process and build directory, must equal
+    this process's."""
     out = tmp_path / "other.pt"
-    env = {**os.environ, **env_vars, "JLLM_KERNELS_DIR": str(tmp_path / "kernels")}
     code = _OTHER_BUILD.format(tests=str(Path(__file__).parent), out=str(out))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -82,11 +81,11 @@ def same_bits_as_build(tmp_path, **env_vars):
 
 
 @pytest.mark.skipif(kernels.isa() != "avx512", reason="this CPU builds only the AVX2 path")
-def test_avx2_build_gives_the_avx512_bits(tmp_path):
-    same_bits_as_build(tmp_path, JLLM_ISA="avx2")
+def test_avx2_build_gives_the_avx512_bits(tmp_path, kernel_variant):
+    same_bits_as_build(tmp_path, kernel_variant(JLLM_ISA="avx2"))
 
 
 @pytest.mark.skipif(kernels.isa() != "avx2", reason="the one-pass tiles are AVX2's")
-def test_one_pass_tiles_give_the_two_pass_bits(tmp_path):
+def test_one_pass_tiles_give_the_two_pass_bits(tmp_path, kernel_variant):
     assert "-DJLLM_BOTH_ROWS=0" not in kernels._flags()
-    same_bits_as_build(tmp_path, JLLM_TWO_PASS="1")
+    same_bits_as_build(tmp_path, kernel_variant(JLLM_TWO_PASS="1"))

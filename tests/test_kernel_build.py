@@ -11,7 +11,7 @@ import pytest
 
 from jllm import kernels
 
-pytestmark = pytest.mark.skipif(kernels.qgemm() is None, reason="native kernels unavailable on this machine")
+pytestmark = pytest.mark.usefixtures("kernels_required")
 
 
 def test_a_lock_left_by_a_killed_build_is_removed(tmp_path):

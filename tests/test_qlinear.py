@@ -8,10 +8,9 @@ import torch
 from gguf import GGMLQuantizationType as T, quants as gq
 
 from jllm.gguf import quants
-from jllm.kernels import qgemm
 from jllm.model import qlinear as ql
 
-pytestmark = pytest.mark.skipif(qgemm() is None, reason="native kernels unavailable on this machine")
+pytestmark = pytest.mark.usefixtures("kernels_required")
 
 EXACT_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]     # Q4_K, Q5_K: test_k_quants_map_exactly_...
 REQUANT_TYPES = [T.F16, T.BF16, T.F32]                                 # Q6_K: test_compact_requantization_...
@@ -266,12 +265,11 @@ def gfni_case():
 
 
 @pytest.mark.skipif("gfni" not in open("/proc/cpuinfo").read(), reason="this CPU builds only the plain path")
-def test_gfni_and_plain_unpacking_give_the_same_bits(tmp_path):
+def test_gfni_and_plain_unpacking_give_the_same_bits(tmp_path, kernel_variant):
     """Where the CPU has GFNI the kernel unpacks 4-bit weights with it for one row (this process's build),
     else with shift and mask; a build of the plain path (JLLM_NO_GFNI, its own process and build directory:
-    one module per process) must give bitwise the same outputs for one row. Five rows take shift and mask in
-    both builds; their equality checks only that the builds agree otherwise."""
-    import os
+    one module per process; a slow test: a compile of its own) must give bitwise the same outputs for one row.
+    Five rows take shift and mask in both builds; their equality checks only that the builds agree otherwise."""
     import subprocess
     import sys
     from pathlib import Path
@@ -281,7 +279,7 @@ def test_gfni_and_plain_unpacking_give_the_same_bits(tmp_path):
     assert "-DJLLM_GFNI" in kernels._flags()
     lin, x = gfni_case()
     out = tmp_path / "plain.pt"
-    env = {**os.environ, "JLLM_NO_GFNI": "1", "JLLM_KERNELS_DIR": str(tmp_path / "kernels")}
+    env = kernel_variant(JLLM_NO_GFNI="1")
     code = _PLAIN_PATH.format(tests=str(Path(__file__).parent), out=str(out))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
