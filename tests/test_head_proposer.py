@@ -127,3 +127,14 @@ def test_sampled_with_the_head_follows_the_targets_distribution(files, monkeypat
     critical = {8: 26.12, 7: 24.32, 6: 22.46, 5: 20.52, 4: 18.47}.get(dof, dof + 5 * math.sqrt(2 * dof))
     assert chi2 < critical, f"chi2 {chi2:.1f} >= {critical} (dof {dof}): {counts} vs {exact}"
     assert drafted == n                       # the head drafted the second token every time
+
+
+def test_plan_budgets_the_head(files):
+    from jllm.plan import plan
+
+    rows = plan(files["target"], files["head"], 4096, "native")
+    assert [r.name for r in rows] == ["target.gguf", "head.gguf"]
+    head = rows[1]
+    assert head.kv == 2 * 2 * 16 * 4096 * 2                      # one layer, 2 kv heads of 16, f16
+    assert head.scratch >= 4096 * 3 * 64 * 2                     # the target's captured states, bf16
+    assert 0 < head.weights < rows[0].weights

@@ -122,7 +122,7 @@ class Engine:
         if head_gguf is not None:
             draft_gguf = None
         if self.device.type == "cpu":
-            self._check_memory(draft_gguf, spec, ctx_size)
+            self._check_memory(draft_gguf or head_gguf, spec, ctx_size)
         self.ctx_size = ctx_size
         self.draft: Sequence | None = None          # the draft model's sequence
         self.head: Eagle3Head | None = None         # or an EAGLE-3 head on the target's hidden states

@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from jllm.eagle3 import format as fmt
+from jllm.eagle3.format import is_head, read_head_config
 from jllm.errors import JllmError
 from jllm.gguf.reader import GGUFFile, read_gguf
 from jllm.kernels import native_possible
@@ -93,10 +95,27 @@ def plan(target: str | GGUFFile, draft: str | GGUFFile | None, ctx: int, precisi
 
     read = lambda f: f if isinstance(f, GGUFFile) else read_gguf(f)      # noqa: E731
     rows = [model_budget(read(target), precision, ctx)]
-    if draft:
+    if draft and is_head(read(draft)):
+        rows.append(head_budget(read(draft), ctx))
+    elif draft:
         rows.append(model_budget(read(draft), draft_precision_for(precision, draft_precision), ctx,
                                  output_rows=draft_vocab))
     return rows
+
+
+def head_budget(g: GGUFFile, ctx: int) -> Budget:
+    """An EAGLE-3 head: its matrices on 4-bit tiles (native4, as Eagle3Head loads them), its one layer's KV
+    cache, and as scratch the target's captured states it reads, kept by position in bf16 (sequence.py)."""
+    c = read_head_config(g)
+    t = g.tensors
+    groups = [[fmt.FC], [fmt.ATTN_Q, fmt.ATTN_K, fmt.ATTN_V], [fmt.ATTN_OUT], [fmt.FFN_GATE, fmt.FFN_UP],
+              [fmt.FFN_DOWN]] + ([[fmt.OUTPUT]] if fmt.OUTPUT in t else [])
+    weights = sum(x.n_elements * 4 for x in t.values() if len(x.shape) == 1)
+    for names in groups:
+        weights += packed_bytes([(t[n].shape[0], row_kind(t[n].ggml_type, True)) for n in names], t[names[0]].shape[1])
+    kv = 2 * c.n_kv_heads * c.head_dim * ctx * kv_dtype(native_possible()).itemsize
+    scratch = ctx * 3 * c.target_hidden * 2 + 9 * (c.draft_vocab or 0) * 4
+    return Budget(g.path.name, weights, kv, scratch)
 
 
 def total_bytes(rows: list[Budget]) -> int:
