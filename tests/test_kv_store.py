@@ -451,7 +451,6 @@ def test_fingerprint_of_a_small_gguf_sees_data_and_precision(tmp_path):
     assert model_fingerprint(read_gguf(path), "f32") != base
 
 
-@pytest.mark.slow
 def test_fingerprint_of_real_models_is_distinct_and_stable(real_model):
     from jllm.gguf.reader import read_gguf
 

@@ -142,7 +142,6 @@ REAL_TYPES = {
 ROWS = 96   # rows compared at the head and at the tail of each chosen tensor
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("alias", list(REAL_TYPES))
 def test_real_tensors_match_gguf_py(alias, real_model):
     g = read_gguf(real_model(alias))
@@ -164,7 +163,6 @@ def test_real_tensors_match_gguf_py(alias, real_model):
                 assert not got.isnan().any(), info.name
 
 
-@pytest.mark.slow
 def test_real_matrix_row_chunks_match_whole(real_model):
     """The chunked path over a whole real Q6_K matrix agrees with one dequantize call and with gguf-py."""
     g = read_gguf(real_model("qwen2.5-coder-0.5b"))

@@ -30,7 +30,6 @@ def engines(real_model):
     return get
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("alias", ALL_MODELS)
 def test_greedy_agrees_with_llamacpp(alias, engines, reference):
     eng = engines(alias)
@@ -57,7 +56,6 @@ def test_greedy_agrees_with_llamacpp(alias, engines, reference):
     assert len(outside_top2) <= 0.02 * total and all(gap < 0.2 for *_, gap in outside_top2), outside_top2
 
 
-@pytest.mark.slow
 def test_batched_forward_equals_single_steps_bitwise(engines):
     eng = engines("qwen2.5-coder-0.5b")
     ids = eng.tokenizer.encode("def quicksort(xs):\n    if len(xs) <= 1:\n        return xs\n    pivot = xs[0]\n")
