@@ -138,3 +138,16 @@ def test_plan_budgets_the_head(files):
     assert head.kv == 2 * 2 * 16 * 4096 * 2                      # one layer, 2 kv heads of 16, f16
     assert head.scratch >= 4096 * 3 * 64 * 2                     # the target's captured states, bf16
     assert 0 < head.weights < rows[0].weights
+
+
+def test_an_always_wrong_head_keeps_the_output(files):
+    from jllm.spec.bench import make_draft_wrong
+
+    p = SamplingParams(max_tokens=64)
+    ref = engine(files["target"], mode="none").generate(PROMPT, p)
+    eng = engine(files["target"], files["head"])
+    make_draft_wrong(eng)
+    out = eng.generate(PROMPT, p)
+    assert out.token_ids == ref.token_ids
+    st = out.spec_stats.as_dict()
+    assert st["drafted"] > 0 and st["accepted"] == 0

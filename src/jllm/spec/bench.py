@@ -94,7 +94,7 @@ def make_draft_wrong(eng) -> None:
     """Turn the engine's draft into one that is always wrong, at its full cost: it still runs every draft step,
     then shifts each proposed id by one (the target's choice is never the draft's choice plus one, except by a
     vanishing coincidence). Measures what speculation costs when it cannot help."""
-    eng.draft_proposer = AlwaysWrong(eng.draft_proposer, eng.draft.model.cfg.vocab_size)
+    eng.draft_proposer = AlwaysWrong(eng.draft_proposer, eng.model.cfg.vocab_size)
 
 
 class AlwaysWrong:
@@ -102,6 +102,9 @@ class AlwaysWrong:
 
     def __init__(self, inner, vocab: int):
         self.inner, self.vocab, self.kind = inner, vocab, inner.kind
+
+    def __getattr__(self, name):                        # the rest (a head's catch-up, state) is the inner's
+        return getattr(self.inner, name)
 
     def propose(self, context, k, limits):
         p = self.inner.propose(context, k, dataclasses.replace(limits, leaf_p=0.0))   # a leaf could be right
@@ -121,8 +124,8 @@ def run(a) -> int:
                  threads=a.threads, draft_path=draft, spec=cfg)
     wrong_draft = getattr(a, "wrong_draft", False)
     if wrong_draft:
-        if eng.draft is None:
-            raise JllmError("--wrong-draft needs a draft model (-md)")
+        if eng.draft_proposer is None:
+            raise JllmError("--wrong-draft needs a draft model or head (-md)")
         make_draft_wrong(eng)
     t0 = time.perf_counter()
     s = run_corpus(eng, cfg, max_tokens=a.n_predict, limit=a.limit)
