@@ -5,7 +5,7 @@ warning line (once per broken file), after which the store mends itself.
 
 The CLI runs in this process (`jllm.cli.main`) on a tiny synthetic model, so that a monkeypatched write can
 fail with ENOSPC at the call a full disk would fail; concurrent and killed writers are processes forked by
-tests/kv_writer_child.py.
+tests/kv_writer_child.py, and concurrent `jllm chat` commands processes forked by tests/jllm_child.py.
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -30,6 +28,8 @@ from jllm.cli import main
 from jllm.errors import JllmError
 from kv_writer_child import FINGERPRINT, dir_bytes, state_for, user_turn
 from synthetic import write_tiny_model
+
+pytestmark = pytest.mark.usefixtures("native_kernels")      # built before the first model runs
 
 HERE = Path(__file__).resolve().parent
 
@@ -297,26 +297,20 @@ def test_two_processes_on_one_conversation_keep_every_turn(tmp_path, writers):
     assert sorted(turns) == sorted(user_turn(s, r) for s in (1, 2) for r in range(10))   # 20 of 20
 
 
-def test_two_jllm_chat_processes_on_one_conversation(model, tmp_path):
+def test_two_jllm_chat_processes_on_one_conversation(model, tmp_path, jllm_forks):
+    """Three rounds, each of two `jllm chat` processes started side by side on conversation c."""
     kv = tmp_path / "kv"
     env = {k: v for k, v in os.environ.items() if not k.startswith("JLLM_")}
     env.update(JLLM_CONVERTED_DIR=str(tmp_path / "converted"), PYTHONPATH=str(HERE.parent / "src"))
-
-    def turns(who: str) -> list[int]:
-        rcs = []
-        for r in range(3):
-            p = subprocess.run([sys.executable, "-m", "jllm", "chat", "-m", model, "--conversation", "c",
-                                "--cache-dir", str(kv), "-p", f"{who} {r}", "-n", "2", "-t", "1", "--json"],
-                               env=env, capture_output=True, text=True, timeout=120)
+    results: dict[str, list[int]] = {"a": [], "b": []}
+    for r in range(3):
+        pids = {who: jllm_forks.start(["chat", "-m", model, "--conversation", "c", "--cache-dir", str(kv), "-p",
+                                       f"{who} {r}", "-n", "2", "-t", "1", "--json"], env=env, cwd=tmp_path)
+                for who in results}
+        for who, pid in pids.items():
+            p = jllm_forks.finish(pid)
             assert "Traceback" not in p.stderr and json.loads(p.stdout)["text"] is not None, p.stderr
-            rcs.append(p.returncode)
-        return rcs
-    results: dict[str, list[int]] = {}
-    threads = [threading.Thread(target=lambda w=w: results.__setitem__(w, turns(w))) for w in ("a", "b")]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+            results[who].append(p.returncode)
     assert results == {"a": [0, 0, 0], "b": [0, 0, 0]}
     kept = user_turns(kv)
     assert sorted(kept) == ["a 0", "a 1", "a 2", "b 0", "b 1", "b 2"]

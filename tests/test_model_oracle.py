@@ -17,6 +17,8 @@ import torch
 
 from synthetic import GGMLQuantizationType, write_tiny_model
 
+pytestmark = pytest.mark.usefixtures("native_kernels")      # built before the first model runs
+
 Q = GGMLQuantizationType
 
 # variant -> (arch, weight type, HF config overrides)

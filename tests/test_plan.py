@@ -7,6 +7,8 @@ from jllm.errors import JllmError
 from jllm.plan import check_limit, plan, total_bytes
 from synthetic import write_tiny_model
 
+pytestmark = pytest.mark.usefixtures("native_kernels")      # built before the first model runs
+
 
 @pytest.mark.parametrize("precision", ["int8", "native"])
 @pytest.mark.parametrize("arch", ["qwen2", "gemma3"])

@@ -14,6 +14,8 @@ import torch
 from conftest import ALL_MODELS
 from jllm.engine import Engine
 
+pytestmark = pytest.mark.usefixtures("native_kernels")      # built before the first model runs
+
 STEPS = 32
 
 
