@@ -10,6 +10,7 @@ from jllm.engine import Engine
 from jllm.errors import JllmError
 from jllm.sampling import SamplingParams
 from jllm.spec.config import SpecConfig
+import two_token_chi2
 from synthetic import write_tiny_model
 from test_eagle3 import write_head
 
@@ -94,39 +95,14 @@ def test_a_head_for_another_target_is_refused_in_one_line(files):
     assert "\n" not in str(e.value)
 
 
-def test_sampled_with_the_head_follows_the_targets_distribution(files, monkeypatch):
-    """Joint distribution of the first two sampled tokens (top-k 3: 9 outcomes) with the head drafting the
-    second, against the exact p(t1) p(t2 | t1) from the target (chi-square)."""
-    import math
-
-    from jllm.sampling import probs
-
-    params = SamplingParams(temperature=1.0, top_k=3, max_tokens=2)
+def test_sampled_with_the_head_follows_the_targets_distribution(files):
+    """Speculative sampling with the head drafting follows the target's distribution (chi-square)."""
     target = engine(files["target"], mode="none")
     ids = target.encode(PROMPT)
-    logits, _ = target.prefill(ids)
-    p1 = probs(logits, params, ids)
-    exact = {}
-    for t1 in torch.nonzero(p1).flatten().tolist():
-        target.target.rollback(len(ids))
-        p2 = probs(target.step(t1), params, ids + [t1])
-        for t2 in torch.nonzero(p2).flatten().tolist():
-            exact[(t1, t2)] = p1[t1].item() * p2[t2].item()
+    exact = two_token_chi2.exact_joint(target, ids)
     spec = Engine(files["target"], ctx_size=256, threads=1, draft_path=files["head"], precision="native",
                   spec=SpecConfig(mode="draft", draft_max=1, p_min=0.0))
-    n, drafted = 1500, 0
-    counts = dict.fromkeys(exact, 0)
-    for seed in range(n):
-        spec.reset()
-        res = spec.generate(ids, SamplingParams(temperature=1.0, top_k=3, max_tokens=3, seed=seed))
-        assert tuple(res.token_ids[:2]) in counts
-        counts[tuple(res.token_ids[:2])] += 1
-        drafted += res.spec_stats.drafted
-    chi2 = sum((counts[o] - n * pr) ** 2 / (n * pr) for o, pr in exact.items())
-    dof = len(exact) - 1
-    critical = {8: 26.12, 7: 24.32, 6: 22.46, 5: 20.52, 4: 18.47}.get(dof, dof + 5 * math.sqrt(2 * dof))
-    assert chi2 < critical, f"chi2 {chi2:.1f} >= {critical} (dof {dof}): {counts} vs {exact}"
-    assert drafted == n                       # the head drafted the second token every time
+    assert two_token_chi2.check(spec, ids, exact) == 1500          # the head drafted the second token each time
 
 
 def test_plan_budgets_the_head(files):

@@ -4,16 +4,16 @@ sampled output distributed as the target's (chi-square against the exact joint d
 on the native stack, and the tokenizer gate. The loop itself is tested with fake proposers in test_loop.py,
 the policy in test_policy.py."""
 
-import math
 
 import pytest
 import torch
 
 from jllm.engine import Engine
 from jllm.errors import JllmError
-from jllm.sampling import SamplingParams, probs
+from jllm.sampling import SamplingParams
 from jllm.spec.config import SpecConfig
 from jllm.spec.proposers import DraftModelProposer, Proposal
+import two_token_chi2
 from synthetic import write_tiny_model
 
 PROMPT = "the cat sat on the mat and the cat sat on the"
@@ -120,36 +120,12 @@ def test_stops_on_budget_and_end_of_turn(paths, monkeypatch):
 
 
 def test_sampled_distribution_matches_target(paths):
-    """Joint distribution of the first two sampled tokens (top-k 3, so 9 outcomes) under speculative
-    sampling with a different draft model, against the exact p(t1) p(t2 | t1) from the target."""
-    params = SamplingParams(temperature=1.0, top_k=3, max_tokens=2)
+    """Speculative sampling with a different draft model follows the target's distribution (chi-square)."""
     target = engine(paths["target"])
     ids = target.encode(PROMPT)
-    logits, _ = target.prefill(ids)
-    p1 = probs(logits, params, ids)
-    exact = {}
-    for t1 in torch.nonzero(p1).flatten().tolist():
-        target.target.rollback(len(ids))
-        p2 = probs(target.step(t1), params, ids + [t1])
-        for t2 in torch.nonzero(p2).flatten().tolist():
-            exact[(t1, t2)] = p1[t1].item() * p2[t2].item()
+    exact = two_token_chi2.exact_joint(target, ids)
     spec = engine(paths["target"], paths["other"], mode="draft", draft_max=1, p_min=0.0)
-    n = 1500
-    counts = dict.fromkeys(exact, 0)
-    drafted = 0
-    for seed in range(n):
-        spec.reset()                           # and a fresh gate: its first rounds always draft
-        # 3 tokens: t1 from the prefill, t2 drafted and verified (accepted or recovered), t3 a by-product
-        res = spec.generate(ids, SamplingParams(temperature=1.0, top_k=3, max_tokens=3, seed=seed))
-        out = res.token_ids
-        assert tuple(out[:2]) in counts, f"sampled {out}, impossible under the target"
-        counts[tuple(out[:2])] += 1
-        drafted += res.spec_stats.drafted
-    chi2 = sum((counts[o] - n * pr) ** 2 / (n * pr) for o, pr in exact.items())
-    dof = len(exact) - 1
-    critical = {8: 26.12, 7: 24.32, 6: 22.46, 5: 20.52, 4: 18.47}.get(dof, dof + 5 * math.sqrt(2 * dof))
-    assert chi2 < critical, f"chi2 {chi2:.1f} >= {critical} (dof {dof}): {counts} vs {exact}"
-    assert drafted == n                       # every run verified one drafted token
+    assert two_token_chi2.check(spec, ids, exact) == 1500          # every run verified one drafted token
 
 
 def test_tokenizer_gate_refuses_cross_family_draft(paths):
