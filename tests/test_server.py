@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import threading
@@ -85,16 +84,16 @@ def metric(text: str, name: str) -> float:
 
 def test_chat_streaming_equals_non_streaming(srv):
     msgs = user("tell me about the world")
-    r = srv.client.chat.completions.create(model="tiny", messages=msgs, max_tokens=24, temperature=0)
+    r = srv.client.chat.completions.create(model="tiny", messages=msgs, max_tokens=64, temperature=0)
     text = r.choices[0].message.content
     assert r.object == "chat.completion" and r.id.startswith("chatcmpl-") and r.model == "tiny"
-    assert r.choices[0].message.role == "assistant" and r.choices[0].finish_reason in ("stop", "length")
-    assert 0 < r.usage.completion_tokens <= 24
+    assert r.choices[0].message.role == "assistant" and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 64                              # the streams compared are 64 tokens
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
     assert r.usage.prompt_tokens == len(srv.ref.chat_ids(msgs))
     assert {"drafted", "accepted", "acceptance_rate"} <= set(r.model_extra["spec"])
 
-    chunks = list(srv.client.chat.completions.create(model="tiny", messages=msgs, max_tokens=24, temperature=0,
+    chunks = list(srv.client.chat.completions.create(model="tiny", messages=msgs, max_tokens=64, temperature=0,
                                                      stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
@@ -121,10 +120,11 @@ def test_any_model_name_is_served_unless_strict(srv):
 def test_greedy_text_equals_jllm_generate_chat(srv, capsys, monkeypatch):
     monkeypatch.setenv("JLLM_CONVERTED_DIR", str(srv.converted))
     prompt = "request number 3: tell me about the world"
-    assert cli.main(["generate", "-m", str(srv.path), "-p", prompt, "--chat", "--json", "-n", "40",
+    assert cli.main(["generate", "-m", str(srv.path), "-p", prompt, "--chat", "--json", "-n", "64",
                      "-c", str(CTX), "-t", "1"]) == 0
     want = json.loads(capsys.readouterr().out)
-    r = srv.client.chat.completions.create(model="tiny", messages=user(prompt), max_tokens=40, temperature=0)
+    assert len(want["token_ids"]) == 64 and want["finish_reason"] == "length"
+    r = srv.client.chat.completions.create(model="tiny", messages=user(prompt), max_tokens=64, temperature=0)
     assert r.choices[0].message.content == want["text"]
     assert r.usage.completion_tokens == len(want["token_ids"])
     assert r.choices[0].finish_reason == want["finish_reason"]
@@ -273,8 +273,7 @@ def test_concurrent_requests_are_all_answered_without_mix_ups(srv):
     prompts = [f"request number {i}: tell me about the world" for i in range(40)]
     want = {p: reference(srv, user(p), 12) for p in prompts}      # each prompt's answer, run alone
 
-    def ask(i: int) -> tuple[str, str, float]:
-        t0 = time.perf_counter()
+    def ask(i: int) -> tuple[str, str]:
         p = prompts[i]
         if i % 2:
             chunks = srv.client.chat.completions.create(model="tiny", messages=user(p), max_tokens=12,
@@ -283,19 +282,13 @@ def test_concurrent_requests_are_all_answered_without_mix_ups(srv):
         else:
             text = srv.client.chat.completions.create(model="tiny", messages=user(p), max_tokens=12,
                                                       temperature=0).choices[0].message.content
-        return p, text, time.perf_counter() - t0
+        return p, text
 
-    t0 = time.perf_counter()
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(ask, range(len(prompts))))
-    wall = time.perf_counter() - t0
     assert len(results) == len(prompts)
-    for p, text, _ in results:
+    for p, text in results:
         assert text == want[p], p
-    lat = sorted(r[2] for r in results)
-    p99 = lat[min(len(lat) - 1, round(0.99 * (len(lat) - 1)))]
-    print(f"\n40 requests, 8 at a time: {len(lat) / wall:.1f} req/s, "
-          f"p50 {statistics.median(lat) * 1000:.0f} ms, p99 {p99 * 1000:.0f} ms")
 
 
 def test_client_disconnects_stop_their_generations(srv):
