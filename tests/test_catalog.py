@@ -194,7 +194,7 @@ def test_missing_gguf_path_says_file_not_found(tmp_path):
 
 
 def test_resolve_alias_pulls_once_then_uses_the_store(wheelhouse, monkeypatch):
-    spec, data = make_model(wheelhouse, "tiny", [2000, 3000])
+    spec, data = make_model(wheelhouse, "tiny", [5000])
     monkeypatch.setitem(catalog.ALIASES, "tiny", spec)
     path = resolve("tiny", progress=False)
     assert path.read_bytes() == data
@@ -204,7 +204,7 @@ def test_resolve_alias_pulls_once_then_uses_the_store(wheelhouse, monkeypatch):
 
 
 def test_resolve_re_pulls_a_file_whose_size_is_wrong(wheelhouse, monkeypatch):
-    spec, data = make_model(wheelhouse, "tiny", [2000, 3000])
+    spec, data = make_model(wheelhouse, "tiny", [5000])
     monkeypatch.setitem(catalog.ALIASES, "tiny", spec)
     path = resolve("tiny", progress=False)
     path.write_bytes(data[:-1])  # truncated behind the store's back; the sidecar still names the hash
@@ -212,7 +212,7 @@ def test_resolve_re_pulls_a_file_whose_size_is_wrong(wheelhouse, monkeypatch):
 
 
 def test_pull_adopts_a_good_file_without_sidecar_and_replaces_a_bad_one(wheelhouse, monkeypatch):
-    spec, data = make_model(wheelhouse, "tiny", [2000, 3000])
+    spec, data = make_model(wheelhouse, "tiny", [5000])
     monkeypatch.setitem(catalog.ALIASES, "tiny", spec)
     models_dir().mkdir(parents=True)
     target = models_dir() / "tiny.gguf"
