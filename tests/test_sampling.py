@@ -10,6 +10,8 @@ import torch
 from jllm.errors import JllmError
 from jllm.sampling import SamplingParams, apply_repeat_penalty, argmax, make_generator, probs, sample
 
+pytestmark = pytest.mark.usefixtures("native_kernels")      # argmax runs the native kernel where it is built
+
 # probabilities 1/2, 1/4, 1/8, 1/8: every partial sum is exact in float32, so top-p edges are sharp
 DYADIC = torch.log(torch.tensor([0.5, 0.25, 0.125, 0.125]))
 
