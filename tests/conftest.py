@@ -4,9 +4,9 @@ helper processes that fork KV writers (tests/kv_writer_child.py) and `jllm` comm
 
 The tiers: a test is slow when it takes one of SLOW_FIXTURES (the real models, PyPI, a second build of the
 kernels), and it is marked so here, by fixture, so that none can be forgotten. `-m "not slow"` then needs no
-network and builds the kernels at most once; in that mode pip is given no index and the model store is an
-empty folder (for this process and every process it starts), so a test that would download a model fails
-with "could not download model" instead of fetching it or quietly using one already on this machine.
+network and builds the kernels at most once; in that mode pip is given no index and no links, and the model
+store is an empty folder (for this process and every process it starts), so a test that would download a
+model fails with "could not download model" instead of fetching it or quietly using one already here.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ SLOW_FIXTURES = {"real_model", "pypi", "kernel_variant"}
 def pytest_configure(config):
     if "not slow" in (config.option.markexpr or ""):
         empty = tempfile.mkdtemp(prefix="jllm-no-models-in-the-fast-tier-")
-        os.environ.update(PIP_NO_INDEX="1", JLLM_MODELS_DIR=empty, HF_HUB_OFFLINE="1")
+        os.environ.update(PIP_NO_INDEX="1", PIP_FIND_LINKS=empty, JLLM_MODELS_DIR=empty, HF_HUB_OFFLINE="1")
 
 
 @pytest.hookimpl(tryfirst=True)                  # before `-m` deselects by marker
