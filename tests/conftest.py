@@ -155,6 +155,11 @@ class JllmForks:
         return subprocess.CompletedProcess(["jllm", *argv], status, base.with_suffix(".stdout").read_bytes().decode(),
                                            base.with_suffix(".stderr").read_bytes().decode())
 
+    def output(self, pid: int) -> str:
+        """What a command started and not yet finished has written so far, stdout then stderr."""
+        base = self.files[pid][1]
+        return "".join(base.with_suffix(s).read_bytes().decode(errors="replace") for s in (".stdout", ".stderr"))
+
     def run(self, argv: list[str], env: dict, cwd: Path, stdin: bytes = b"", timeout: int = 120):
         return self.finish(self.start(argv, env, cwd, stdin, timeout))
 

@@ -46,9 +46,9 @@ def home(tmp_path_factory) -> Path:
 def jllm(home: Path, *args: str, stdin: str | bytes | None = None, env: dict | None = None,
          interpreter: bool = False):
     """`jllm args` in home, forked (interpreter=False) or as `python -m jllm` -> CompletedProcess (str output)."""
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("JLLM_")}
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("JLLM_") or k == "JLLM_KERNELS_DIR"}
     full_env.update(JLLM_CONVERTED_DIR=str(home / "converted"), JLLM_MODELS_DIR=str(home / "models"),
-                    PYTHONPATH=str(REPO / "src"))
+                    JLLM_CACHE_DIR=str(home / "kv-default"), PYTHONPATH=str(REPO / "src"))
     full_env.update(env or {})
     stdin = stdin if isinstance(stdin, bytes) else (stdin or "").encode()
     if not interpreter:

@@ -44,7 +44,7 @@ def model(tmp_path_factory) -> str:
 @pytest.fixture(autouse=True)
 def _environment(tmp_path, monkeypatch):
     for name in list(os.environ):
-        if name.startswith("JLLM_"):
+        if name.startswith("JLLM_") and name != "JLLM_KERNELS_DIR":      # the kernels built for this run stay
             monkeypatch.delenv(name)
     monkeypatch.setenv("JLLM_CONVERTED_DIR", str(tmp_path / "converted"))
 
@@ -300,7 +300,7 @@ def test_two_processes_on_one_conversation_keep_every_turn(tmp_path, writers):
 def test_two_jllm_chat_processes_on_one_conversation(model, tmp_path, jllm_forks):
     """Three rounds, each of two `jllm chat` processes started side by side on conversation c."""
     kv = tmp_path / "kv"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JLLM_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JLLM_") or k == "JLLM_KERNELS_DIR"}
     env.update(JLLM_CONVERTED_DIR=str(tmp_path / "converted"), PYTHONPATH=str(HERE.parent / "src"))
     results: dict[str, list[int]] = {"a": [], "b": []}
     for r in range(3):

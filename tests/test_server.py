@@ -11,8 +11,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -333,34 +331,35 @@ def test_internal_error_is_a_500_without_traceback(srv, monkeypatch, caplog):
     assert srv.http.post(CHAT, json=OK).status_code == 200
 
 
-def test_jllm_serve_command(srv, tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JLLM_")}
+def test_jllm_serve_command(srv, tmp_path, jllm_forks):
+    """`jllm serve` as a process of its own (forked by tests/jllm_child.py): bad ports are one line, and a
+    server comes up, answers as the reference engine does and stops cleanly on Ctrl-C."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JLLM_") or k == "JLLM_KERNELS_DIR"}
     env.update(JLLM_CONVERTED_DIR=str(srv.converted), JLLM_CACHE_DIR=str(tmp_path / "kv"))
-    bad = subprocess.run([sys.executable, "-m", "jllm", "serve", "-m", str(srv.path), "--port", "70000"],
-                         env=env, capture_output=True, text=True, timeout=60)
+
+    def serve(*args: str, timeout: int = 60) -> int:
+        return jllm_forks.start(["serve", "-m", str(srv.path), *args], env=env, cwd=tmp_path, timeout=timeout)
+
+    bad = jllm_forks.finish(serve("--port", "70000"))
     assert bad.returncode == 1 and bad.stderr.strip().splitlines() == ["jllm: --port must be in 0..65535, got 70000"]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
         s.listen()
         for host, p in (("127.0.0.1", port), ("999.1.1.1", 0)):      # a taken port, a host that is none
-            bad = subprocess.run([sys.executable, "-m", "jllm", "serve", "-m", str(srv.path), "--host", host,
-                                  "--port", str(p)], env=env, capture_output=True, text=True, timeout=60)
+            bad = jllm_forks.finish(serve("--host", host, "--port", str(p)))
             lines = bad.stderr.strip().splitlines()
             assert bad.returncode == 1 and len(lines) == 1 and lines[0].startswith(f"jllm: cannot listen on {host}")
-    proc = subprocess.Popen([sys.executable, "-m", "jllm", "serve", "-m", str(srv.path), "--port", str(port),
-                             "-c", "512", "-t", "1", "--api-key", "k2"], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    pid = serve("--port", str(port), "-c", "512", "-t", "1", "--api-key", "k2", timeout=300)
     try:
         deadline = time.monotonic() + 60
         while True:
-            assert proc.poll() is None, proc.stdout.read()
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
                     break
             except httpx.TransportError:
                 pass
-            assert time.monotonic() < deadline, "jllm serve did not come up"
+            assert time.monotonic() < deadline, f"jllm serve did not come up: {jllm_forks.output(pid)}"
             time.sleep(0.1)
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k2", max_retries=0, timeout=30)
         msgs = user("tell me about the world")
@@ -368,10 +367,10 @@ def test_jllm_serve_command(srv, tmp_path):
         assert r.choices[0].message.content == reference(srv, msgs, 8)
         assert (tmp_path / "kv").is_dir()
     finally:
-        proc.send_signal(signal.SIGINT)
-        out = proc.communicate(timeout=30)[0]
-    assert proc.returncode == 0, out
-    assert "Traceback" not in out
+        os.kill(pid, signal.SIGINT)
+        done = jllm_forks.finish(pid)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "Traceback" not in done.stdout + done.stderr
 
 
 def test_metrics_add_up_the_speculation_of_requests():
