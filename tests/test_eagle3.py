@@ -23,6 +23,8 @@ from jllm.errors import JllmError
 from jllm.gguf.reader import read_gguf
 from jllm.model.loader import load_model
 
+pytestmark = pytest.mark.usefixtures("native_kernels")      # built before the first model runs
+
 D, H, HK, HD, FFN = 64, 4, 2, 16, 128          # the tiny target's widths (tests/synthetic.py)
 N_LAYERS = 2
 DRAFT_VOCAB = 96

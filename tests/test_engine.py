@@ -8,6 +8,8 @@ from jllm.errors import JllmError
 from jllm.sampling import SamplingParams
 from synthetic import write_tiny_model
 
+pytestmark = pytest.mark.usefixtures("native_kernels")      # built before the first model runs
+
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):

@@ -14,6 +14,8 @@ import two_token_chi2
 from synthetic import write_tiny_model
 from test_eagle3 import write_head
 
+pytestmark = pytest.mark.usefixtures("native_kernels")      # built before the first model runs
+
 PROMPT = "the cat sat on the mat and the cat sat on the"
 
 

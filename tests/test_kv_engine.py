@@ -14,6 +14,8 @@ from jllm.sampling import SamplingParams
 from jllm.spec.config import SpecConfig
 from synthetic import write_tiny_model
 
+pytestmark = pytest.mark.usefixtures("native_kernels")      # built before the first model runs
+
 P = SamplingParams(max_tokens=12)
 TURN1 = [{"role": "user", "content": "tell me about caches " * 8}]
 

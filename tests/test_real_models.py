@@ -42,8 +42,8 @@ def test_greedy_agrees_with_llamacpp(alias, engines, reference):
         assert eng.tokenizer.encode(case["prompt_text"]) == case["prompt_ids"]
         steps = case["steps"][:STEPS]
         ids = case["prompt_ids"] + [s["id"] for s in steps]
-        eng.cache.truncate(0)
-        logits = eng.model.forward(torch.tensor(ids), eng.cache)
+        eng.reset()
+        logits = eng.target.forward(ids)
         base = len(case["prompt_ids"]) - 1
         for i, step in enumerate(steps):
             top2 = logits[base + i].topk(2).indices.tolist()
@@ -62,10 +62,10 @@ def test_batched_forward_equals_single_steps_bitwise(engines):
     eng = engines("qwen2.5-coder-0.5b")
     ids = eng.tokenizer.encode("def quicksort(xs):\n    if len(xs) <= 1:\n        return xs\n    pivot = xs[0]\n")
     n_new = 9
-    eng.cache.truncate(0)
-    batched = eng.model.forward(torch.tensor(ids), eng.cache)[-n_new:]
-    eng.cache.truncate(0)
-    eng.model.forward(torch.tensor(ids[:-n_new]), eng.cache)
-    single = torch.cat([eng.model.forward(torch.tensor([t]), eng.cache) for t in ids[-n_new:]])
+    eng.reset()
+    batched = eng.target.forward(ids)[-n_new:]
+    eng.reset()
+    eng.target.forward(ids[:-n_new])
+    single = torch.stack([eng.target.step(t) for t in ids[-n_new:]])
     diff = (batched - single).abs().max().item()
     assert torch.equal(batched, single), f"max |batched - single| = {diff}"

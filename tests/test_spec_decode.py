@@ -16,6 +16,8 @@ from jllm.spec.proposers import DraftModelProposer, Proposal
 import two_token_chi2
 from synthetic import write_tiny_model
 
+pytestmark = pytest.mark.usefixtures("native_kernels")      # built before the first model runs
+
 PROMPT = "the cat sat on the mat and the cat sat on the"
 
 

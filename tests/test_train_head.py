@@ -20,6 +20,8 @@ from jllm.train.export import write_head
 from jllm.train.head import TrainConfig, new_head, train
 from jllm.train.target import load_target
 
+pytestmark = pytest.mark.usefixtures("native_kernels")      # built before the first model runs
+
 SNIPPET = '''def merge(a, b):
     """Merge two sorted lists into one sorted list."""
     out = []
