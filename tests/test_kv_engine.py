@@ -4,8 +4,6 @@ are never used; the draft's state travels too."""
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -101,13 +99,12 @@ def test_draft_state_is_stored_and_restored(models, tmp_path):
     assert res.token_ids == plain.token_ids
 
 
-def jllm(*args, env):
-    return subprocess.run([sys.executable, "-m", "jllm", *args], capture_output=True, text=True, env=env,
-                          timeout=300)
-
-
-def test_cli_conversation_turns_and_cache_commands(models, tmp_path):
+def test_cli_conversation_turns_and_cache_commands(models, tmp_path, jllm_forks):
     env = dict(os.environ, JLLM_CACHE_DIR=str(tmp_path / "kv"), JLLM_CONVERTED_DIR=str(tmp_path / "conv"))
+
+    def jllm(*args, env):                  # each command a process of its own, forked from a warm one
+        return jllm_forks.run(list(args), env=env, cwd=tmp_path)
+
     base = ["chat", "-m", models[0], "-n", "8", "--conversation", "demo", "--json"]
     t1 = json.loads(jllm(*base, "-p", "hello there, how are caches kept? " * 6, env=env).stdout)
     t2 = json.loads(jllm(*base, "-p", "and evicted?", env=env).stdout)
