@@ -80,6 +80,10 @@ def test_package_prompts_and_data_roundtrip(target, tmp_path):
     assert sorted(f.name for f in files) == ["README.md", "merge.py"]
     prompts = data_mod.package_prompts(6, __import__("random").Random(0), files)
     assert len(prompts) == 6 and all(("merge" in p or "Merges" in p) for p in prompts)
+    # the docs also become prose tasks (translation into a human language among them), with no {field} left
+    many = data_mod.package_prompts(200, __import__("random").Random(1), files)
+    assert any(p.startswith("Translate this text into ") for p in many)
+    assert not any("{" in p.split("\n")[0] for p in many)
     prefix = data_mod.user_prefix(tg.template, tg.tokenizer)
     assert tg.tokenizer.decode(prefix) == "<|im_start|>user\n"
     conv = data_mod.generate(tg, 2, 4, max_new=12, batch=4, user_max_new=8, files=files, log=lambda s: None)

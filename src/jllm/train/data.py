@@ -46,8 +46,14 @@ DOC_TASKS = (
     "Summarize this documentation in a few sentences:\n\n{text}",
     "Explain this to a beginner, with a short example:\n\n{text}",
     "Write a code example that uses what this documentation describes:\n\n{text}",
+    # prose tasks: a chat target is asked to translate and rewrite text, not only code
+    "Translate this text into {human}:\n\n{text}",
+    "Rewrite this text in plain, simple words for a newcomer:\n\n{text}",
+    "Rewrite this text as a short, friendly email to a colleague:\n\n{text}",
+    "Turn this text into a list of its key points:\n\n{text}",
 )
 OTHER_LANGUAGES = ("JavaScript", "TypeScript", "Rust", "Go", "C++", "Java", "C#", "Kotlin")
+HUMAN_LANGUAGES = ("French", "German", "Spanish", "Chinese", "Italian", "Portuguese", "Japanese", "Russian")
 
 
 @dataclass
@@ -157,7 +163,7 @@ def package_prompts(n: int, rng: random.Random, files: list[Path] | None = None,
         if path.suffix == ".py":
             task = rng.choice(CODE_TASKS).format(lang="python", text=text, other=rng.choice(OTHER_LANGUAGES))
         else:
-            task = rng.choice(DOC_TASKS).format(text=text)
+            task = rng.choice(DOC_TASKS).format(text=text, human=rng.choice(HUMAN_LANGUAGES))
         prompts.append(task)
     return prompts
 
