@@ -3,8 +3,7 @@
 // (jllm/model/transformer.py), so the results are bitwise equal. What goes is everything between the
 // kernels: the interpreter, torch's operator dispatch and ~10 tensor allocations a layer. The activations live
 // in buffers of the stack, grown to the largest call and kept; the residual add is fused into the next norm.
-// Measured on the 0.5B draft, one token at context 300: its layers took 0.8 ms beyond their matrices (~20 %),
-// and the Python between them and the output layer another 0.1 ms, cold after the weights' stream.
+// On the draft model that work was about a sixth of a step (BENCHMARKS.md, "A forward pass in one native call").
 // The GIL is released for the whole pass; a mutex keeps two callers of one stack apart.
 
 #include <torch/csrc/utils/pybind.h>
