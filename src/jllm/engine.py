@@ -170,9 +170,7 @@ class Engine:
         (the persistent store is untouched). The next prompt is evaluated from scratch."""
         self.wait_saves()
         self.target.reset()
-        if self.draft is not None:
-            self.draft.reset()
-        if self.head is not None:
+        if self.draft_proposer is not None:
             self.draft_proposer.reset()
         self.gate = None
 
@@ -243,14 +241,13 @@ class Engine:
             state = self.kv_store.load(name, n)
             # another process may have replaced the entry since lookup: use it only if it still matches
             if state is not None and list(state.tokens[:n]) == ids[:n]:
-                if self.head is not None and state.draft_k is not None and n > 1:
-                    # the head's positions are one behind the tokens (HeadProposer), so the target takes one
+                prop = self.draft_proposer
+                if prop is not None and state.draft_k is not None and n > prop.lag:
+                    # a head's positions are one behind the tokens (HeadProposer), so the target takes one
                     # token fewer and computes the hidden state the head's next row needs
-                    n -= 1
-                    self.draft_proposer.load(ids[:n + 1], state.draft_k[:, :, :n], state.draft_v[:, :, :n])
+                    n -= prop.lag
+                    prop.load(ids[:n + prop.lag], state.draft_k[:, :, :n], state.draft_v[:, :, :n])
                 self.target.load(ids[:n], state.target_k[:, :, :n], state.target_v[:, :, :n])
-                if self.draft is not None and state.draft_k is not None:
-                    self.draft.load(ids[:n], state.draft_k, state.draft_v)
         if timings is not None:
             timings.hydrate_ms = (time.perf_counter() - t0) * 1000
 
@@ -261,13 +258,9 @@ class Engine:
         self.wait_saves()
         tokens, k, v = self.target.export()
         state = KVState(tokens=tokens, target_k=k, target_v=v)
-        if self.draft is not None:                  # the draft's state covers the same tokens
-            self.draft.sync(tokens)
-            _, state.draft_k, state.draft_v = self.draft.export(len(tokens))
-        elif self.head is not None and len(tokens) > 1:
-            head = self.draft_proposer.export(tokens)     # one position fewer than the tokens, padded by one
-            if head is not None:
-                state.draft_k, state.draft_v = head
+        drafted = self.draft_proposer.export(tokens) if self.draft_proposer is not None else None
+        if drafted is not None:                     # the draft's (or head's) state for the same tokens
+            state.draft_k, state.draft_v = drafted
 
         def save():
             try:
@@ -304,10 +297,8 @@ class Engine:
         timings = run.timings
         t0 = time.perf_counter()
         logits, evaluated = self.prefill(prompt_ids, conv_id, timings)
-        if self.spec is not None and self.draft is not None:
-            self.draft.sync(prompt_ids)        # the draft's prompt prefill belongs to prompt time, not decode
-        if self.spec is not None and self.head is not None:
-            self.draft_proposer.catch_up(prompt_ids)      # the head's, likewise
+        if self.spec is not None and self.draft_proposer is not None:
+            self.draft_proposer.prepare(prompt_ids)   # its prompt prefill belongs to prompt time, not decode
         timings.prompt_eval_ms = (time.perf_counter() - t0) * 1000 - timings.hydrate_ms
         timings.prompt_tokens_evaluated = evaluated
         timings.cached_tokens = len(prompt_ids) - evaluated

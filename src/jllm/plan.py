@@ -95,11 +95,10 @@ def plan(target: str | GGUFFile, draft: str | GGUFFile | None, ctx: int, precisi
 
     read = lambda f: f if isinstance(f, GGUFFile) else read_gguf(f)      # noqa: E731
     rows = [model_budget(read(target), precision, ctx)]
-    if draft and is_head(read(draft)):
-        rows.append(head_budget(read(draft), ctx))
-    elif draft:
-        rows.append(model_budget(read(draft), draft_precision_for(precision, draft_precision), ctx,
-                                 output_rows=draft_vocab))
+    if draft:
+        g = read(draft)
+        rows.append(head_budget(g, ctx) if is_head(g) else
+                    model_budget(g, draft_precision_for(precision, draft_precision), ctx, output_rows=draft_vocab))
     return rows
 
 

@@ -127,13 +127,33 @@ class Chooser:
 
 
 class DraftModelProposer:
-    """A draft model on its own Sequence, kept equal to a prefix of the target's context."""
+    """A draft model on its own Sequence, kept equal to a prefix of the target's context.
+
+    The model proposers keep state that the engine prepares, resets, saves and restores alike: prepare
+    (evaluate a prompt), reset, export (the KV state for a context the target holds) and load; `lag` is how
+    many positions their state runs behind the tokens (0 here)."""
 
     kind = "draft"
+    lag = 0
 
     def __init__(self, seq: Sequence):
         self.seq = seq
         self.choose = Chooser(getattr(seq.model, "kernels", None))
+
+    def prepare(self, context: list[int]) -> None:
+        self.seq.sync(context)
+
+    def reset(self) -> None:
+        self.seq.reset()
+
+    def export(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft's state for `tokens`: its keys and values, one position per token."""
+        self.seq.sync(tokens)
+        _, k, v = self.seq.export(len(tokens))
+        return k, v
+
+    def load(self, tokens: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        self.seq.load(tokens, k, v)
 
     def propose(self, context: list[int], k: int, limits: Limits) -> Proposal:
         t = time.perf_counter()
@@ -156,12 +176,16 @@ class HeadProposer:
     are dropped again at the next round's catch-up."""
 
     kind = "head"
+    lag = 1
 
     def __init__(self, head, target: Sequence):
         self.head, self.target = head, target
         self.paired: list[int] = []
         ids = head._d2t_list
         self.choose = Chooser(head.kernels, ids, head.target_logits if ids is not None else None)
+
+    def prepare(self, context: list[int]) -> None:
+        self.catch_up(context)
 
     def reset(self) -> None:
         self.head.truncate(0)
@@ -179,7 +203,7 @@ class HeadProposer:
         """The head's state for a context of `tokens`, all held by the target: its len(tokens) - 1 positions,
         padded with one zero position so that it has one per token (the store's shape); None if the target's
         states for rows it lacks are not here."""
-        if self.catch_up(tokens) is None:
+        if len(tokens) < 2 or self.catch_up(tokens) is None:
             return None
         n = len(tokens) - 1
         k, v = self.head.cache.export(n)
