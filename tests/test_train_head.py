@@ -93,6 +93,9 @@ def test_package_prompts_and_data_roundtrip(target, tmp_path):
     assert np.array_equal(back.tokens, conv.tokens) and np.array_equal(back.reply_start, conv.reply_start)
     with pytest.raises(Exception, match="another tokenizer"):
         data_mod.Conversations.load(tmp_path / "d.npz", "0" * 64)
+    both = data_mod.Conversations.concat([conv, back])          # two files trained on together
+    assert len(both) == 2 * len(conv) and both.reply_tokens() == 2 * conv.reply_tokens()
+    assert all(np.array_equal(both.ids(len(conv) + i), conv.ids(i)) for i in range(len(conv)))
     d2t = data_mod.draft_vocab(conv, tg.cfg.vocab_size, 40, always=tg.tokenizer.eot_ids)
     assert len(d2t) == 40 and np.all(np.diff(d2t) > 0) and set(tg.tokenizer.eot_ids) <= set(d2t.tolist())
 

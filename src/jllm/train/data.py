@@ -92,6 +92,19 @@ class Conversations:
             return cls(z["tokens"], z["offsets"], z["reply_start"], z["source"], z["sampled"], meta)
 
     @classmethod
+    def concat(cls, parts: list["Conversations"]) -> "Conversations":
+        """The conversations of several files, in order, as one (the first file's meta, plus each's name)."""
+        if len(parts) == 1:
+            return parts[0]
+        sizes = np.array([len(p.tokens) for p in parts])
+        bases = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        offsets = np.concatenate([parts[0].offsets[:1]] + [p.offsets[1:] + b for p, b in zip(parts, bases)])
+        return cls(np.concatenate([p.tokens for p in parts]), offsets.astype(np.int64),
+                   np.concatenate([p.reply_start for p in parts]), np.concatenate([p.source for p in parts]),
+                   np.concatenate([p.sampled for p in parts]),
+                   dict(parts[0].meta, parts=[p.meta.get("seed") for p in parts]))
+
+    @classmethod
     def build(cls, rows: list[tuple[list[int], list[int], int, bool]], meta: dict) -> "Conversations":
         """rows: (prompt ids, reply ids, source index, sampled)."""
         lengths = [len(p) + len(r) for p, r, _, _ in rows]

@@ -155,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-m", "--model", required=True, help="the target: an alias (jllm models) or a GGUF file")
     ap.add_argument("-o", "--out", required=True, help="the head GGUF to write")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--data", help="the conversations' .npz: read if it exists, else made and saved there")
+    ap.add_argument("--data", help="the conversations' .npz: read if it exists, else made and saved there; "
+                    "several files, comma-separated, are read and trained on together")
     ap.add_argument("--data-only", action="store_true", help="make the data, train nothing")
     ap.add_argument("--magpie", type=int, default=3000, help="conversations with a Magpie user turn")
     ap.add_argument("--package", type=int, default=3000, help="conversations over installed packages' files")
@@ -189,8 +190,12 @@ def _run(a) -> int:
     print(f"target: {Path(a.model).name}, {target.cfg.n_layers} layers, hidden {target.cfg.hidden}, "
           f"on {a.device} ({time.perf_counter() - t0:.1f} s)")
     fp = target.tokenizer.fingerprint()
-    if a.data and Path(a.data).exists():
-        conv = data_mod.Conversations.load(a.data, fp)
+    files = a.data.split(",") if a.data else []
+    if len(files) > 1 or (files and Path(files[0]).exists()):
+        missing = [f for f in files if not Path(f).exists()]
+        if missing:
+            raise JllmError(f"no training data at {', '.join(missing)} (several --data files are read, not made)")
+        conv = data_mod.Conversations.concat([data_mod.Conversations.load(f, fp) for f in files])
         print(f"data: {a.data}: {len(conv)} conversations, {conv.reply_tokens()} reply tokens")
     else:
         conv = data_mod.generate(target, a.magpie, a.package, a.max_new, a.gen_batch, sampled_frac=a.sampled,

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The head's training run on a lent GPU machine (the device tool), one phase per call; run from the repo root.
+# The target arrives in 60 MiB pieces (split -b 60M -d -a 2 TARGET.gguf .xfer/p), one per call, because a call
+# carries at most 64 MiB; files in /tmp/m stay while the machine is warm.
+#   recv NN                 keep piece .xfer/pNN
+#   setup SHA256            join the pieces, check the sum, install the carried gguf wheel (.whl/)
+#   start GEN_S STEPS PROCS [TRAIN ARGS...]
+#                           in a new process session: PROCS data makers (seeds 1..PROCS, GEN_S seconds of
+#                           replies each), then training on the data in the repo and theirs, STEPS steps
+#   poll                    the logs' last lines
+#   back                    the head (15 MiB parts), the new data and the logs into $OUT
+set -euo pipefail
+M=/tmp/m
+mkdir -p "$M"
+export PYTHONPATH="$PWD/src:$M/site" PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+DATA=training/qwen2.5-coder-1.5b/conversations-v1.npz
+case "$1" in
+recv)
+    cp ".xfer/p$2" "$M/" && ls -l "$M/p$2" ;;
+setup)
+    cat "$M"/p?? > "$M/t.gguf" && rm -f "$M"/p??
+    echo "$2  $M/t.gguf" | sha256sum -c -
+    python3 -m pip install -q --no-deps --target "$M/site" .whl/gguf-*.whl
+    nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv ;;
+start)
+    gen_s=$2 steps=$3 procs=$4; shift 4
+    rm -rf "$M/src" && cp -r src "$M/src" && cp "$DATA" "$M/v1.npz"   # later calls may change the tree
+    cat > "$M/job.sh" <<EOF
+set -x
+export PYTHONPATH=$M/src:$M/site
+for i in \$(seq 1 $procs); do
+  python3 -m jllm.train.head -m $M/t.gguf -o $M/unused.gguf --device cuda --data $M/conv-s\$i.npz --data-only \
+    --magpie 1200 --package 4000 --max-new 512 --gen-batch 384 --gen-time $gen_s --seed \$i > $M/gen\$i.log 2>&1 &
+done
+wait
+files=$M/v1.npz
+for i in \$(seq 1 $procs); do [ -f $M/conv-s\$i.npz ] && files=\$files,$M/conv-s\$i.npz; done
+python3 -m jllm.train.head -m $M/t.gguf -o $M/head.gguf --device cuda --data \$files --steps $steps $* \
+  > $M/train.log 2>&1
+echo done > $M/finished
+EOF
+    setsid bash "$M/job.sh" > "$M/job.log" 2>&1 < /dev/null &
+    sleep 2; cat "$M/job.log" ;;
+poll)
+    for f in "$M"/gen*.log "$M"/train.log; do [ -f "$f" ] && { echo "== $f"; tail -n "${2:-3}" "$f"; }; done
+    nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
+    [ -f "$M/finished" ] && echo FINISHED || true ;;
+back)
+    tar -C "$M" -czf "$OUT/logs.tgz" $(cd "$M" && ls *.log)          # at most 8 files come back
+    for f in "$M"/conv-s*.npz; do [ -f "$f" ] && cp "$f" "$OUT/"; done
+    [ -f "$M/head.gguf" ] && { sha256sum "$M/head.gguf"; split -b 15M -d -a 1 "$M/head.gguf" "$OUT/head.part"; }
+    ls -l "$OUT" ;;
+*)
+    echo "unknown phase $1" >&2; exit 2 ;;
+esac
