@@ -234,3 +234,21 @@ def test_cli_passes_its_arguments_to_the_trainer(capsys, tmp_path):
     with pytest.raises(SystemExit):
         cli.main(["train-head", "--help"])
     assert "--gen-time" in capsys.readouterr().out
+
+
+def test_batched_decoder_matches_transformers_generate(target):
+    """The data maker's decoder (static cache, left padding) gives `generate`'s greedy tokens, row by row."""
+    tg, _, _ = target
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(5, tg.cfg.vocab_size, size=n).tolist() for n in (3, 11, 7, 1, 16)]
+    want = tg.hf_generate(prompts, 24)
+    got = tg.generate(prompts, 24, sample=False)
+    assert got == want
+    # a stop token ends its row after its first occurrence, the token kept
+    stop = want[1][5]
+    cut = [r[:r.index(stop) + 1] if stop in r else r for r in want]
+    assert tg._decoder.generate(prompts, 24, {stop}) == cut and len(cut[1]) <= 6
+    # nucleus sampling with a tiny top_p keeps only the top token: greedy again; a wide one samples
+    assert tg.generate(prompts, 24, sample=True, top_p=1e-6, seed=1) == want
+    a = tg.generate(prompts, 24, sample=True, temperature=1.5, seed=1)
+    assert a == tg.generate(prompts, 24, sample=True, temperature=1.5, seed=1) and a != want

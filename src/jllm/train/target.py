@@ -61,6 +61,7 @@ class Target:
     tokenizer: Tokenizer
     template: ChatTemplate
     device: torch.device
+    _decoder: object = None          # the BatchedDecoder of the last generate, reused while it is big enough
 
     @property
     def embedding(self) -> torch.Tensor:
@@ -86,8 +87,24 @@ class Target:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new: int, sample: bool, temperature: float = 1.0,
                  top_p: float = 1.0, seed: int = 0) -> list[list[int]]:
-        """Each prompt's continuation (ids, the end-of-turn token included when one ended it), batched with
-        left padding; greedy unless `sample`."""
+        """Each prompt's continuation (ids, the end-of-turn token included when one ended it), batched
+        (train/batched.py); greedy unless `sample`."""
+        from jllm.train.batched import BatchedDecoder
+
+        rows = -(-len(prompts) // 64) * 64
+        slots = -(-(max(len(p) for p in prompts) + max_new) // 256) * 256
+        dec = self._decoder
+        if dec is None or dec.B < rows or dec.T < slots:
+            self._decoder = None                                  # its cache freed before the next is made
+            dec = self._decoder = BatchedDecoder(self.model, max(rows, dec.B if dec else 0),
+                                                 max(slots, dec.T if dec else 0))
+        pad = self.tokenizer.eos_id if self.tokenizer.eos_id is not None else 0
+        return dec.generate(prompts, max_new, self.tokenizer.eot_ids, sample=sample, temperature=temperature,
+                            top_p=top_p, seed=seed, pad_id=pad)
+
+    @torch.no_grad()
+    def hf_generate(self, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+        """Greedy continuations by transformers' own `generate`: the oracle of `generate`'s tests."""
         pad = self.tokenizer.eos_id if self.tokenizer.eos_id is not None else 0
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), pad, dtype=torch.long)
@@ -95,12 +112,9 @@ class Target:
         for i, p in enumerate(prompts):
             ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
-        torch.manual_seed(seed)
-        kwargs = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if sample else \
-            dict(do_sample=False, temperature=None, top_p=None, top_k=None)
         out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                                   max_new_tokens=max_new, eos_token_id=sorted(self.tokenizer.eot_ids),
-                                  pad_token_id=pad, **kwargs)
+                                  pad_token_id=pad, do_sample=False, temperature=None, top_p=None, top_k=None)
         ends = self.tokenizer.eot_ids
         result = []
         for row in out[:, width:].tolist():
