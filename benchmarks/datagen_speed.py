@@ -5,7 +5,9 @@ same model, same prompts, side by side in one run. On a GPU machine:
     python benchmarks/datagen_speed.py --synthetic               # random weights of Qwen2.5-1.5B's shapes
 
 Random weights never emit an end-of-turn token, so every row runs the full --new tokens: the figure is the
-decoder's rate with no early stops (real replies stop early, and a batch then runs part-empty).
+decoder's rate with no early stops (real replies stop early, and a batch then runs part-empty). `agree`: the
+share of rows whose first --hf-new greedy tokens are generate's (bf16 on both sides: near-ties may part them,
+which random weights have many of; the real target few).
 """
 
 from __future__ import annotations
@@ -55,15 +57,17 @@ def main() -> None:
     else:
         model = synthetic_model("cuda")
     vocab = model.config.vocab_size
-    print(f"{'decoder':<12} {'batch':>5} {'prompt':>6} {'new':>5} {'s':>7} {'tok/s':>9}")
+    print(f"{'decoder':<12} {'batch':>5} {'prompt':>6} {'new':>5} {'s':>7} {'tok/s':>9} {'agree':>6}")
     for B in a.batch:
         g = torch.Generator().manual_seed(B)
         prompts = torch.randint(10, vocab - 10, (B, a.prompt), generator=g).tolist()
         dec = BatchedDecoder(model, B, a.prompt + a.new)
         dec.generate(prompts[:8], 4, {-1})                            # capture the graph, warm up
+        greedy = None
         for sample in (False, True):
             out, s = timed(lambda: dec.generate(prompts, a.new, {-1}, sample=sample, temperature=0.8,
                                                 top_p=0.95))
+            greedy = greedy or out
             n = sum(len(r) for r in out)
             print(f"{'batched' + (' T0.8' if sample else ''):<12} {B:>5} {a.prompt:>6} {a.new:>5} {s:>7.2f} "
                   f"{n / s:>9.0f}")
@@ -74,7 +78,9 @@ def main() -> None:
                                               max_new_tokens=a.hf_new, min_new_tokens=a.hf_new,
                                               do_sample=False, pad_token_id=0))
         n = (out.shape[1] - a.prompt) * B
-        print(f"{'hf generate':<12} {B:>5} {a.prompt:>6} {a.hf_new:>5} {s:>7.2f} {n / s:>9.0f}")
+        hf = out[:, a.prompt:].tolist()
+        agree = sum(g[:a.hf_new] == h for g, h in zip(greedy, hf)) / B
+        print(f"{'hf generate':<12} {B:>5} {a.prompt:>6} {a.hf_new:>5} {s:>7.2f} {n / s:>9.0f} {agree:>6.2f}")
         del out, ids
         torch.cuda.empty_cache()
 

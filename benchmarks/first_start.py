@@ -31,7 +31,7 @@ def timed(cmd: list[str], env: dict, stdin: str = "") -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-m", "--model", default="qwen2.5-coder-1.5b")
-    ap.add_argument("-md", "--draft-model", default="qwen2.5-coder-0.5b")
+    ap.add_argument("-md", "--draft-model", default=None, help="a draft model (default: chat's own, the shipped head)")
     ap.add_argument("--download", action="store_true", help="also download the models afresh")
     a = ap.parse_args()
 

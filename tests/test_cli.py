@@ -391,3 +391,39 @@ def test_an_unknown_flag_prints_the_subcommand_usage(home):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "jllm chat: error: unrecognized arguments: --no-such-flag" in proc.stderr, proc.stderr
     assert "usage: jllm chat" in proc.stderr
+
+
+@pytest.mark.parametrize("args, env, want_head", [
+    ([], None, True),                                   # chat and serve draft with the shipped head
+    (["--spec", "auto"], None, True),
+    (["--spec", "none"], None, False),
+    (["--spec", "ngram"], None, False),
+    ([], "0", False),                                   # JLLM_SPEC_DECODE=0: speculation off
+    (["-md", "OTHER"], None, False),                    # -md wins
+])
+@pytest.mark.parametrize("command", ["chat", "serve"])
+def test_chat_and_serve_use_the_shipped_head_for_its_target(tmp_path, monkeypatch, command, args, env,
+                                                            want_head):
+    import jllm.engine
+    from jllm import catalog, cli
+
+    target = tmp_path / ALIASES["qwen2.5-coder-1.5b"].file_name     # the target's file, by name
+    target.write_bytes(b"GGUF")
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"GGUF")
+    made = {}
+    monkeypatch.setattr(jllm.engine, "Engine", lambda *a, **kw: made.update(kw))
+    if env is None:
+        monkeypatch.delenv("JLLM_SPEC_DECODE", raising=False)
+    else:
+        monkeypatch.setenv("JLLM_SPEC_DECODE", env)
+    argv = [command, "-m", str(target), *[str(other) if x == "OTHER" else x for x in args]]
+    a = cli.build_parser().parse_args(argv)
+    cli._engine(a, kv_cache=False, default_head=True)
+    head = str(catalog.resolve("qwen2.5-coder-1.5b-eagle3"))
+    assert (made["draft_path"] == head) == want_head
+    assert made["draft_path"] == (head if want_head else str(other) if "-md" in args else None)
+    # the other commands keep drafting opt-in
+    made.clear()
+    cli._engine(cli.build_parser().parse_args(["generate", "-m", str(target), "-p", "hi"]))
+    assert made["draft_path"] is None

@@ -252,3 +252,33 @@ def test_batched_decoder_matches_transformers_generate(target):
     assert tg.generate(prompts, 24, sample=True, top_p=1e-6, seed=1) == want
     a = tg.generate(prompts, 24, sample=True, temperature=1.5, seed=1)
     assert a == tg.generate(prompts, 24, sample=True, temperature=1.5, seed=1) and a != want
+
+
+def test_writing_then_derived_then_back_translation_rounds(target):
+    """The three rounds: writing prompts; prose tasks over the finished writing replies; translations of
+    those back into English. A scripted target answers every prompt with a long, finished reply."""
+    tg, _, _ = target
+    tok = tg.tokenizer
+    eot = min(tok.eot_ids)
+
+    class Scripted:
+        tokenizer, template, path = tg.tokenizer, tg.template, tg.path
+        seen: list[str] = []
+
+        def generate(self, prompts, max_new, sample, **kw):
+            self.seen += [tok.decode(p, skip_special=False) for p in prompts]
+            return [tok.encode(f" reply {len(self.seen)} " + "word " * 70)[:max_new - 1] + [eot] for p in prompts]
+
+    sc = Scripted()
+    conv = data_mod.generate(sc, 0, 0, max_new=120, batch=8, n_writing=24, seed=2, log=lambda s: None)
+    src = conv.source.tolist()
+    assert src.count(2) == 24 and src.count(3) > 24                   # every writing reply got a task
+    back = [p for p in sc.seen if "Translate this text into English:" in p]
+    assert back and all("reply " in p for p in back)                  # ... translations came back
+    derived = [p for p in sc.seen[24:] if p not in back]
+    assert len(derived) == 24 and all("word word" in p for p in derived)
+    typos = data_mod.add_typos("the quick brown foxes jumped over lazy sleeping dogs " * 20,
+                               __import__("random").Random(0), rate=0.3)
+    assert typos != "the quick brown foxes jumped over lazy sleeping dogs " * 20
+    assert len(typos.split(" ")) == 20 * 9 + 1
+    assert all(p.startswith("Write ") for p in data_mod.writing_prompts(5, __import__("random").Random(0)))

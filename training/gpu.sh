@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
 # The head's training run on a lent GPU machine (the device tool), one phase per call; run from the repo root.
-# The target arrives in 60 MiB pieces (split -b 60M -d -a 2 TARGET.gguf .xfer/p), one per call, because a call
-# carries at most 64 MiB; files in /tmp/m stay while the machine is warm.
+# The target arrives in 57 MiB pieces (split -b 57M -d -a 2 TARGET.gguf .xfer/p), one per call, because a call
+# carries at most 64 MiB with the working tree; files in /tmp/m stay while the machine is warm. The tracked
+# tree travels with every call, the shipped head (src/jllm/heads/, 40 MiB) with it: move the head out of the
+# tree while the pieces travel (`git checkout src/jllm/heads` puts it back), or the pieces must be smaller.
 #   recv NN                 keep piece .xfer/pNN
 #   setup SHA256            join the pieces, check the sum, install the carried gguf wheel (.whl/)
 #   start GEN_S STEPS PROCS [TRAIN ARGS...]
-#                           in a new process session: PROCS data makers (seeds 1..PROCS, GEN_S seconds of
-#                           replies each), then training on the data in the repo and theirs, STEPS steps
+#                           in a new process session: PROCS data makers (seeds SEED_BASE+1.., GEN_S seconds
+#                           of replies each; GEN_ARGS: their sources and batch), then training on the data in
+#                           the repo and theirs, STEPS steps
 #   poll                    the logs' last lines
 #   back                    the head (15 MiB parts), the new data and the logs into $OUT
 set -euo pipefail
 M=/tmp/m
 mkdir -p "$M"
 export PYTHONPATH="$PWD/src:$M/site" PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-DATA=training/qwen2.5-coder-1.5b/conversations-v1.npz
+DATA=training/qwen2.5-coder-1.5b/conversations-*.npz
 case "$1" in
 recv)
     cp ".xfer/p$2" "$M/" && ls -l "$M/p$2" ;;
@@ -24,17 +27,20 @@ setup)
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv ;;
 start)
     gen_s=$2 steps=$3 procs=$4; shift 4
-    rm -rf "$M/src" && cp -r src "$M/src" && cp "$DATA" "$M/v1.npz"   # later calls may change the tree
+    rm -rf "$M/src" "$M/data" && cp -r src "$M/src" && mkdir "$M/data" && cp $DATA "$M/data/"   # later calls may change the tree
     cat > "$M/job.sh" <<EOF
 set -x
 export PYTHONPATH=$M/src:$M/site
 for i in \$(seq 1 $procs); do
-  python3 -m jllm.train.head -m $M/t.gguf -o $M/unused.gguf --device cuda --data $M/conv-s\$i.npz --data-only \
-    --magpie 1200 --package 4000 --max-new 512 --gen-batch 384 --gen-time $gen_s --seed \$i > $M/gen\$i.log 2>&1 &
+  s=\$((i + \${SEED_BASE:-3}))
+  python3 -m jllm.train.head -m $M/t.gguf -o $M/unused.gguf --device cuda --data $M/conv-s\$s.npz --data-only \
+    \${GEN_ARGS:---magpie 3000 --package 8000 --writing 6000 --gen-batch 768} --max-new 512 --gen-time $gen_s \
+    --seed \$s > $M/gen\$s.log 2>&1 &
 done
 wait
-files=$M/v1.npz
-for i in \$(seq 1 $procs); do [ -f $M/conv-s\$i.npz ] && files=\$files,$M/conv-s\$i.npz; done
+files=\$(ls $M/data/*.npz | paste -sd,)
+for f in $M/conv-s*.npz; do [ -f \$f ] && files=\$files,\$f; done
+echo "training on \$files"
 python3 -m jllm.train.head -m $M/t.gguf -o $M/head.gguf --device cuda --data \$files --steps $steps $* \
   > $M/train.log 2>&1
 echo done > $M/finished

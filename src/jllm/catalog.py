@@ -58,6 +58,9 @@ class ModelSpec:
     size: int | None = None
     description: str = ""
     base: bool = False          # a pretrained checkpoint without chat tuning: it continues text, it does not answer
+    bundled: bool = False       # the file ships inside the package (jllm/heads/), nothing to download
+    head_for: str | None = None  # an EAGLE-3 head: the alias of the target it was trained for, whose chat and
+                                 # serve use it as their proposer unless told otherwise
 
 
 def _numbered(package: str, version: str, path: str, count: int) -> tuple[tuple[str, str, str], ...]:
@@ -70,6 +73,10 @@ def _numbered(package: str, version: str, path: str, count: int) -> tuple[tuple[
         parts.append((name, version, path.format(n=n, i=n - 1, mod=mod)))
     return tuple(parts)
 
+
+# the shipped head (src/jllm/heads/), made as training/README.md says
+HEAD_SHA256 = "ff7070bac0df8d59bfeec1988f6db5a62b29979dbda582388301f04a7394022c"
+HEAD_SIZE = 42_206_272
 
 ALIASES: dict[str, ModelSpec] = {
     spec.alias: spec
@@ -109,6 +116,17 @@ ALIASES: dict[str, ModelSpec] = {
             size=98_362_432,
             description="SmolLM2 135M Instruct, Q4_1",
         ),
+        ModelSpec(
+            alias="qwen2.5-coder-1.5b-eagle3",
+            file_name="qwen2.5-coder-1.5b-eagle3.gguf",
+            sha256=HEAD_SHA256,
+            parts=(),
+            size=HEAD_SIZE,
+            description="EAGLE-3 head for qwen2.5-coder-1.5b, trained by jllm (training/README.md); "
+                        "ships with jllm",
+            bundled=True,
+            head_for="qwen2.5-coder-1.5b",
+        ),
     ]
 }
 
@@ -125,6 +143,45 @@ def _alias_list() -> str:
     return ", ".join(ALIASES)
 
 
+def bundled_path(spec: ModelSpec) -> Path:
+    return Path(__file__).with_name("heads") / spec.file_name
+
+
+_checked: dict[tuple, bool] = {}
+
+
+def _bundled(spec: ModelSpec) -> Path:
+    """The shipped file, its sha256 checked once per process (and again if the file changes)."""
+    path = bundled_path(spec)
+    try:
+        st = path.stat()
+    except OSError:
+        raise JllmError(f"{spec.alias}: its file {path} is missing from this installation of jllm "
+                        "(reinstall jllm)") from None
+    key = (str(path), st.st_size, st.st_mtime_ns)
+    if key not in _checked:
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(_CHUNK):
+                digest.update(chunk)
+        _checked[key] = digest.hexdigest() == spec.sha256.lower()
+    if not _checked[key]:
+        raise JllmError(f"{spec.alias}: {path} does not match its sha256 {spec.sha256[:12]}… (a damaged or "
+                        "partial copy: reinstall jllm)")
+    return path
+
+
+def default_head(model: str) -> str | None:
+    """The alias of the shipped head trained for `model` (an alias, or a file with that alias's file name),
+    if there is one."""
+    name = Path(model).name
+    for spec in ALIASES.values():
+        target = ALIASES.get(spec.head_for) if spec.head_for else None
+        if target is not None and (model == target.alias or name == target.file_name):
+            return spec.alias
+    return None
+
+
 def resolve(name: str, progress: bool = True) -> Path:
     """A model name as the user typed it -> the path of an existing GGUF file.
 
@@ -134,6 +191,8 @@ def resolve(name: str, progress: bool = True) -> Path:
     if path.is_file():
         return path
     spec = ALIASES.get(name)
+    if spec is not None and spec.bundled:
+        return _bundled(spec)
     if spec is not None:
         local = models_dir() / spec.file_name
         return local if _is_verified(spec, local) else pull(spec, progress=progress)
@@ -149,6 +208,8 @@ def pull(alias: str | ModelSpec, progress: bool = True, force: bool = False) -> 
     `alias` may also be a ModelSpec not in ALIASES. `force` re-downloads even a verified file.
     """
     spec = _spec(alias)
+    if spec.bundled:
+        return _bundled(spec)
     root = models_dir()
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -175,7 +236,7 @@ def needs_download(name: str) -> bool:
     """Whether resolve(name) would download: by resolve's own rule, an alias (not a file) whose file in the
     store fails the cheap check."""
     spec = ALIASES.get(name)
-    return spec is not None and not Path(name).expanduser().is_file() \
+    return spec is not None and not spec.bundled and not Path(name).expanduser().is_file() \
         and not _is_verified(spec, models_dir() / spec.file_name)
 
 
@@ -183,13 +244,14 @@ def list_models() -> list[dict]:
     """One dict per alias: alias, file_name, description, downloaded, size (on disk, else expected), path."""
     rows = []
     for spec in ALIASES.values():
-        path = models_dir() / spec.file_name
-        downloaded = _is_verified(spec, path)
+        path = bundled_path(spec) if spec.bundled else models_dir() / spec.file_name
+        downloaded = path.is_file() if spec.bundled else _is_verified(spec, path)
         rows.append({
             "alias": spec.alias,
             "file_name": spec.file_name,
             "description": spec.description,
-            "kind": "base" if spec.base else "instruct",
+            "kind": "base" if spec.base else "head" if spec.head_for else "instruct",
+            "bundled": spec.bundled,
             "downloaded": downloaded,
             "size": path.stat().st_size if downloaded else spec.size,
             "path": path,

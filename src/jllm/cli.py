@@ -54,12 +54,20 @@ def _params(a: argparse.Namespace):
                           stop=tuple(a.stop))
 
 
-def _engine(a: argparse.Namespace, kv_cache: bool = False):
+def _engine(a: argparse.Namespace, kv_cache: bool = False, default_head: bool = False):
+    """default_head (chat, serve): with no -md, the head shipped for this target drafts on the CPU (heads run
+    there only), unless --spec or JLLM_SPEC_DECODE turn speculation off or to n-grams."""
     from jllm.engine import Engine
-    from jllm.catalog import needs_download, resolve
+    from jllm.catalog import default_head as head_for, needs_download, resolve
 
     kv_dir = str(_cache_dir(a)) if kv_cache else None
     _check_sizes(a)
+    if default_head and a.draft_model is None and a.spec in (None, "auto", "draft", "draft+ngram") and \
+            os.environ.get("JLLM_SPEC_DECODE") != "0":
+        from jllm.model.loader import resolve_device
+
+        if resolve_device(a.device).type == "cpu":
+            a.draft_model = head_for(a.model)
     spec = _spec_config(a)
     draft = getattr(a, "draft_model", None) if spec is None or spec.mode != "none" else None   # --spec none: unused
     if a.device == "cpu" and a.precision in (None, "native", "native4") and \
@@ -213,7 +221,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
     resumed = sum(m["role"] == "user" for m in messages)
     if a.system and not messages:
         messages.append({"role": "system", "content": a.system})
-    eng = _engine(a, kv_cache=not a.no_kv_cache)
+    eng = _engine(a, kv_cache=not a.no_kv_cache, default_head=True)
     if a.n_predict is None:                     # a base model rarely ends its turn: it would fill the context
         a.n_predict = 256 if eng.chat_template.is_builtin else -1
         params = _params(a)
@@ -399,7 +407,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from jllm.server import create_app
 
     sock = _listen(a.host, a.port)              # before the model loads: a taken port fails at once
-    eng = _engine(a, kv_cache=not a.no_kv_cache)
+    eng = _engine(a, kv_cache=not a.no_kv_cache, default_head=True)
     path = eng.gguf.path
     name = a.model if a.model in ALIASES else path.stem
     aliases = {a.model, path.name, path.stem, eng.model.cfg.name or path.stem}
@@ -451,11 +459,14 @@ def cmd_models(a: argparse.Namespace) -> int:
         print(pull(a.alias))
         return 0
     print(f"models directory: {models_dir()}")
-    print(f"{'alias':<22} {'kind':<9} {'downloaded':<11} {'size':>10}  file")
+    print(f"{'alias':<26} {'kind':<9} {'downloaded':<11} {'size':>10}  file")
     for m in list_models():
         size = f"{m['size'] / 2**20:.0f} MiB" if m.get("size") else "?"
-        print(f"{m['alias']:<22} {m['kind']:<9} {'yes' if m['downloaded'] else 'no':<11} {size:>10}  {m['file_name']}")
+        have = "shipped" if m["bundled"] else "yes" if m["downloaded"] else "no"
+        print(f"{m['alias']:<26} {m['kind']:<9} {have:<11} {size:>10}  {m['file_name']}")
     print("base: a pretrained model without chat tuning; it continues text (jllm generate) and makes a poor chat")
+    print("head: an EAGLE-3 draft head, shipped inside jllm; chat and serve use it for its target unless -md or "
+          "--spec say otherwise")
     return 0
 
 

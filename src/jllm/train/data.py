@@ -7,11 +7,16 @@ Prompt sources (none from jllm/spec/corpus.json or any public benchmark or evalu
 - package: a snippet of a .py, .md or .rst file shipped inside an installed Python package (site-packages,
   jllm itself excluded), wrapped in an instruction: explain, write tests for, refactor, find bugs in,
   translate to another language, summarize.
+- writing: the target writes a text of a kind about a topic (both from the short lists below, written for
+  jllm: stories, articles, meeting notes, letters, ...).
+- derived: a text the target wrote (a writing reply), given back to it with a prose task: summarize, list the
+  key points, rewrite (plainly, as an email, in the active voice, in the third person), fix the typos that
+  this module puts in, translate into a human language; and a translation it made, back into English.
 Replies are the target's own, greedy or sampled, up to an end-of-turn token or `max_new` tokens.
 
 On disk (one .npz, FORMAT_VERSION 1): tokens int32 [N] (all conversations concatenated), offsets int64
 [n + 1], reply_start int32 [n] (index within its conversation where the reply begins), source int8 [n]
-(0 magpie, 1 package), sampled int8 [n], and meta: a JSON string with the format version, the target's file
+(an index into SOURCES), sampled int8 [n], and meta: a JSON string with the format version, the target's file
 name and its tokenizer's fingerprint (a file made for another tokenizer is refused).
 """
 
@@ -31,7 +36,7 @@ import numpy as np
 from jllm.errors import JllmError
 
 FORMAT_VERSION = 1
-SOURCES = ("magpie", "package")
+SOURCES = ("magpie", "package", "writing", "derived")
 _SENTINEL = "\x00USER\x00"
 
 CODE_TASKS = (
@@ -54,6 +59,37 @@ DOC_TASKS = (
 )
 OTHER_LANGUAGES = ("JavaScript", "TypeScript", "Rust", "Go", "C++", "Java", "C#", "Kotlin")
 HUMAN_LANGUAGES = ("French", "German", "Spanish", "Chinese", "Italian", "Portuguese", "Japanese", "Russian")
+
+WRITING_KINDS = ("a short story", "a news article", "the minutes of a team meeting", "a product description",
+                 "a letter to a friend", "a blog post", "a recipe with its steps", "a short essay",
+                 "a discussion thread between engineers about a bug", "a brief historical overview",
+                 "release notes for a software update", "a travel diary entry", "a speech", "a book review",
+                 "a set of instructions for a household task", "a dialogue between two characters")
+WRITING_TOPICS = ("a lighthouse keeper", "a city after heavy rain", "learning to play the violin", "a lost cat",
+                  "a small bakery", "the first day at a new job", "a mountain village in winter", "a chess club",
+                  "a broken elevator", "a garden in spring", "an old railway station", "a science fair",
+                  "a storm at sea", "a library that never closes", "moving to another country",
+                  "a power outage", "a bicycle repair shop", "a family dinner", "a marathon", "a volcano",
+                  "a school play", "an ancient trade route", "a space probe", "a flooded basement",
+                  "a farmers' market", "a database migration", "a mobile app launch", "a museum robbery",
+                  "a desert expedition", "a beekeeper", "a night train", "a friendship that ended",
+                  "a new vaccine", "the invention of printing", "a river that changed its course",
+                  "a late delivery", "a hiking accident", "a neighbourhood festival", "a forgotten password",
+                  "a jazz concert", "renewable energy in a small town", "a kitchen fire", "an island ferry")
+PROSE_TASKS = (
+    "Summarize this text in a few sentences:\n\n{text}",
+    "Summarize the following in one paragraph:\n\n{text}",
+    "List the key points of this text:\n\n{text}",
+    "Rewrite this text in plain, simple words:\n\n{text}",
+    "Rewrite this text as a short, polite email:\n\n{text}",
+    "Rewrite this text in the active voice:\n\n{text}",
+    "Rewrite this text in the third person:\n\n{text}",
+    "Fix the spelling and grammar mistakes in this text:\n\n{typos}",
+    "Translate this text into {human}:\n\n{text}",
+    "Translate this text into {human}:\n\n{text}",
+    "Explain the main idea of this text to a child:\n\n{text}",
+)
+BACK_TASK = "Translate this text into English:\n\n{text}"
 
 
 @dataclass
@@ -181,6 +217,30 @@ def package_prompts(n: int, rng: random.Random, files: list[Path] | None = None,
     return prompts
 
 
+def writing_prompts(n: int, rng: random.Random) -> list[str]:
+    """n requests for a text of a kind (WRITING_KINDS) about a topic (WRITING_TOPICS)."""
+    return [f"Write {rng.choice(WRITING_KINDS)} about {rng.choice(WRITING_TOPICS)}." for _ in range(n)]
+
+
+def add_typos(text: str, rng: random.Random, rate: float = 0.04) -> str:
+    """The text with about `rate` of its words misspelt: two letters swapped, one dropped or doubled."""
+    words = text.split(" ")
+    for i, w in enumerate(words):
+        if len(w) > 3 and w.isalpha() and rng.random() < rate:
+            j = rng.randrange(1, len(w) - 1)
+            words[i] = rng.choice((w[:j] + w[j + 1] + w[j] + w[j + 2:], w[:j] + w[j + 1:], w[:j] + w[j] + w[j:]))
+    return " ".join(words)
+
+
+def derived_prompts(texts: list[str], rng: random.Random, back: bool = False) -> list[str]:
+    """A prose task over each text the target wrote (PROSE_TASKS), or with `back`, its translation back
+    into English."""
+    if back:
+        return [BACK_TASK.format(text=t) for t in texts]
+    return [rng.choice(PROSE_TASKS).format(text=t, typos=add_typos(t, rng), human=rng.choice(HUMAN_LANGUAGES))
+            for t in texts]
+
+
 # ---------------------------------------------------------------------------------------------- generation
 
 
@@ -208,28 +268,16 @@ def magpie_users(target, n: int, batch: int, max_new: int, seed: int) -> list[st
     return users[:n]
 
 
-def generate(target, n_magpie: int, n_package: int, max_new: int = 512, batch: int = 32,
-             user_max_new: int = 128, sampled_frac: float = 0.5, max_prompt: int = 1024, seed: int = 0,
-             files: list[Path] | None = None, log=print, time_limit: float | None = None) -> Conversations:
-    """Self-distilled conversations: the prompts of both sources, the target's replies to them. Batches of
-    like lengths are generated in a random order, so a time_limit (seconds for the replies) that stops early
-    keeps a sample of every source, length and mode."""
-    rng = random.Random(seed)
-    tok, tpl = target.tokenizer, target.template
-    t0 = time.perf_counter()
-    users = [(u, 0) for u in magpie_users(target, n_magpie, batch, user_max_new, seed)] if n_magpie else []
-    t1 = time.perf_counter()
-    users += [(u, 1) for u in package_prompts(n_package, rng, files)] if n_package else []
-    prompts = [(chat_prompt(tpl, tok, u), s) for u, s in users]
-    prompts = [(p, s, rng.random() < sampled_frac) for p, s in prompts if len(p) <= max_prompt]
-    prompts.sort(key=lambda x: (x[2], len(x[0])))            # like lengths together: less padding
+def _replies(target, prompts: list[tuple[list[int], int, bool]], batch: int, max_new: int, rng: random.Random,
+             seed: int, deadline: float | None, log, t_start: float, rows: list) -> bool:
+    """Appends (prompt, reply, source, sampled) to rows for prompts (ids, source, sampled), batched by length
+    in a random batch order; False if the deadline stopped it first."""
+    prompts = sorted(prompts, key=lambda x: (x[2], len(x[0])))             # like lengths together: less padding
     chunks = list(_batches(prompts, batch))
     rng.shuffle(chunks)
-    rows = []
     for chunk in chunks:
-        if time_limit is not None and time.perf_counter() - t1 > time_limit:
-            log(f"data: time limit of {time_limit:.0f} s reached after {len(rows)} replies")
-            break
+        if deadline is not None and time.perf_counter() > deadline:
+            return False
         for mode in (False, True):
             part = [x for x in chunk if x[2] == mode]
             if not part:
@@ -238,12 +286,60 @@ def generate(target, n_magpie: int, n_package: int, max_new: int = 512, batch: i
                                       top_p=0.95, seed=seed + len(rows))
             rows += [(p, r, s, m) for (p, s, m), r in zip(part, replies) if r]
         log(f"data: {len(rows)} replies, {sum(len(r) for _, r, _, _ in rows)} tokens, "
-            f"{time.perf_counter() - t1:.0f} s")
+            f"{time.perf_counter() - t_start:.0f} s")
+    return True
+
+
+def _finished_texts(rows, tok, source: int, first: int = 0, min_tokens: int = 60, want=None) -> list[str]:
+    """The texts of the replies of `source` (rows[first:]) that ended their turn and are long enough."""
+    out = []
+    for p, r, s, _ in rows[first:]:
+        if s == source and len(r) >= min_tokens and r[-1] in tok.eot_ids and (want is None or want(p)):
+            out.append(tok.decode(r[:-1], skip_special=False).strip())
+    return out
+
+
+def generate(target, n_magpie: int, n_package: int, max_new: int = 512, batch: int = 32,
+             user_max_new: int = 128, sampled_frac: float = 0.5, max_prompt: int = 1024, seed: int = 0,
+             files: list[Path] | None = None, log=print, time_limit: float | None = None,
+             n_writing: int = 0) -> Conversations:
+    """Self-distilled conversations: the prompts of every source, the target's replies to them. In three
+    rounds: magpie, package and writing prompts; then the derived tasks over the finished writing replies;
+    then the derived translations back into English. A time_limit (seconds for the replies) gives the
+    rounds 60, 28 and 12 % of it (the whole of it without writing); within a round batches of like lengths
+    run in a random order, so a cut keeps a sample of every source, length and mode."""
+    rng = random.Random(seed)
+    tok, tpl = target.tokenizer, target.template
+    t0 = time.perf_counter()
+    users = [(u, 0) for u in magpie_users(target, n_magpie, batch, user_max_new, seed)] if n_magpie else []
+    t1 = time.perf_counter()
+    users += [(u, 1) for u in package_prompts(n_package, rng, files)] if n_package else []
+    users += [(u, 2) for u in writing_prompts(n_writing, rng)]
+
+    def prompts_of(texts_sources):
+        ids = [(chat_prompt(tpl, tok, u), s) for u, s in texts_sources]
+        return [(p, s, rng.random() < sampled_frac) for p, s in ids if len(p) <= max_prompt]
+
+    share = (0.6, 0.88, 1.0) if n_writing else (1.0, 1.0, 1.0)
+    deadline = (lambda f: None) if time_limit is None else (lambda f: t1 + f * time_limit)
+    rows: list = []
+    done = _replies(target, prompts_of(users), batch, max_new, rng, seed, deadline(share[0]), log, t1, rows)
+    if n_writing:
+        first = len(rows)
+        texts = _finished_texts(rows, tok, 2)
+        done &= _replies(target, prompts_of([(u, 3) for u in derived_prompts(texts, rng)]), batch, max_new, rng,
+                         seed, deadline(share[1]), log, t1, rows)
+        is_translation = lambda p: "Translate this text into " in tok.decode(p, skip_special=False)  # noqa: E731
+        texts = _finished_texts(rows, tok, 3, first, want=is_translation)
+        done &= _replies(target, prompts_of([(u, 3) for u in derived_prompts(texts, rng, back=True)]), batch,
+                         max_new, rng, seed, deadline(share[2]), log, t1, rows)
+    if not done:
+        log(f"data: the time limit of {time_limit:.0f} s cut some rounds short, after {len(rows)} replies")
     t2 = time.perf_counter()
     conv = Conversations.build(rows, dict(target=Path(target.path).name, tokenizer=tok.fingerprint(),
                                           max_new=max_new, seed=seed))
-    log(f"data: {len(conv)} conversations ({sum(s == 0 for _, _, s, _ in rows)} magpie, "
-        f"{sum(s == 1 for _, _, s, _ in rows)} package), {conv.reply_tokens()} reply tokens, "
+    counts = ", ".join(f"{int((conv.source == i).sum())} {name}" for i, name in enumerate(SOURCES))
+    log(f"data: {len(conv)} conversations ({counts}), {conv.reply_tokens()} reply tokens, "
         f"{len(conv.tokens)} in all; user turns {t1 - t0:.1f} s, replies {t2 - t1:.1f} s")
     return conv
 

@@ -160,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data-only", action="store_true", help="make the data, train nothing")
     ap.add_argument("--magpie", type=int, default=3000, help="conversations with a Magpie user turn")
     ap.add_argument("--package", type=int, default=3000, help="conversations over installed packages' files")
+    ap.add_argument("--writing", type=int, default=3000, help="texts the target writes (kind x topic), each "
+                    "then given back with a prose task, and its translations back into English")
     ap.add_argument("--max-new", type=int, default=512, help="reply tokens at most")
     ap.add_argument("--gen-batch", type=int, default=128, help="prompts generated at once")
     ap.add_argument("--gen-time", type=float, default=None, help="seconds at most for generating the replies")
@@ -199,7 +201,7 @@ def _run(a) -> int:
         print(f"data: {a.data}: {len(conv)} conversations, {conv.reply_tokens()} reply tokens")
     else:
         conv = data_mod.generate(target, a.magpie, a.package, a.max_new, a.gen_batch, sampled_frac=a.sampled,
-                                 seed=a.seed, time_limit=a.gen_time)
+                                 seed=a.seed, time_limit=a.gen_time, n_writing=a.writing)
         if a.data:
             conv.save(a.data)
     if a.data_only:
