@@ -194,7 +194,7 @@ def dir_lock(directory: Path) -> Iterator[None]:
         os.close(fd)
 
 
-class _Bad(Exception):
+class BadEntry(Exception):
     """A file that is not a usable entry; `kind` is "corrupt", "version", "foreign" or "link" (not a regular
     file: a symlink, a FIFO, a directory)."""
 
@@ -274,15 +274,95 @@ def _read_hashed(f, views: list[memoryview], h) -> None:
             while got < len(chunk):
                 n = f.readinto(chunk[got:])
                 if not n:
-                    raise _Bad("corrupt", "is truncated (in the payload)")
+                    raise BadEntry("corrupt", "is truncated (in the payload)")
                 got += n
 
 
 def _read_exact(f, n: int, what: str) -> bytes:
     data = f.read(n)
     if len(data) != n:
-        raise _Bad("corrupt", f"is truncated (in the {what})")
+        raise BadEntry("corrupt", f"is truncated (in the {what})")
     return data
+
+
+# --- the entry's bytes (shared with the Redis tier, shared.py) ----------------------------------------------
+
+def entry_parts(name: str, state: KVState, target_fp: str, draft_fp: str | None) \
+        -> tuple[dict, bytes, list[memoryview]]:
+    """Check a state and lay it out as an entry named `name`: the header (its payload_sha256 a placeholder of
+    the final length, set once the payload is hashed), the token ids' bytes and the payload's buffers (the
+    tensors' own memory, no copy). Raises ValueError for a state that is not one."""
+    tokens = np.asarray(state.tokens, dtype=np.int64)
+    tensors = {"target_k": state.target_k, "target_v": state.target_v}
+    if (state.draft_k is None) != (state.draft_v is None):
+        raise ValueError("KVState: draft_k and draft_v come together")
+    if state.draft_k is not None:
+        tensors.update(draft_k=state.draft_k, draft_v=state.draft_v)
+    n = len(tokens)
+    if n and (tokens.min() < 0 or tokens.max() >= 2**31):
+        raise ValueError("KVState: token ids must fit in int32")
+    for k, t in tensors.items():
+        if t.dim() != 4 or t.shape[2] != n or dtype_name(t.dtype) not in _DTYPES:
+            raise ValueError(f"KVState: {k} is {tuple(t.shape)} {t.dtype}, expected "
+                             f"[layers, kv_heads, {n}, head_dim] float32/float16/bfloat16")
+    views = [_bytes_of(t) for t in tensors.values()]
+    header = {"version": FORMAT_VERSION, "name": name, "created": int(time.time()),
+              "target": target_fp, "draft": draft_fp, "n_tokens": n,
+              "tensors": [{"name": k, "dtype": dtype_name(t.dtype), "shape": list(t.shape)}
+                          for k, t in tensors.items()],
+              "payload_bytes": sum(len(v) for v in views), "payload_sha256": "0" * 64}
+    return header, tokens.astype("<i4").tobytes(), views
+
+
+def anon_name(tokens) -> str:
+    """The name of an entry saved without a conversation id: a hash of its tokens."""
+    return "anon-" + hashlib.sha256(np.asarray(tokens, dtype=np.int64).astype("<i4").tobytes()).hexdigest()[:24]
+
+
+def entry_head(header: dict, tok: bytes) -> bytes:
+    """The entry's bytes before its payload: magic, version, header length, meta digest, header, token ids."""
+    raw = json.dumps(header).encode()
+    return MAGIC + FORMAT_VERSION.to_bytes(4, "little") + len(raw).to_bytes(4, "little") \
+        + hashlib.sha256(raw + tok).digest() + raw + tok
+
+
+def read_head(read: Callable[[int, str], bytes]) -> tuple[dict, np.ndarray, int]:
+    """Parse and check an entry's head, read(n, what) giving its next n bytes (or raising BadEntry "corrupt"
+    when they are not there). Returns the header, the token ids (int32) and the head's length, which is
+    where the payload starts; raises BadEntry ("corrupt" or "version")."""
+    prefix = read(_PREFIX, "header")
+    if prefix[:8] != MAGIC:
+        raise BadEntry("corrupt", "is not a jllm KV cache file (bad magic)")
+    version, hlen = int.from_bytes(prefix[8:12], "little"), int.from_bytes(prefix[12:16], "little")
+    if version != FORMAT_VERSION:
+        raise BadEntry("version", f"has format version {version}, this jllm reads version {FORMAT_VERSION}")
+    if hlen > _MAX_HEADER:
+        raise BadEntry("corrupt", f"has an implausible header length {hlen}")
+    raw = read(hlen, "header")
+    try:
+        h = json.loads(raw)
+        n = int(h["n_tokens"])
+    except (ValueError, KeyError, TypeError):
+        raise BadEntry("corrupt", "has an unreadable header") from None
+    if not 0 <= n <= _MAX_TOKENS:
+        raise BadEntry("corrupt", f"has an implausible token count {n}")
+    tok = read(4 * n, "token ids")
+    if hashlib.sha256(raw + tok).digest() != prefix[16:48]:
+        raise BadEntry("corrupt", "fails its header checksum")
+    try:
+        payload = 0
+        for t in h["tensors"]:
+            shape = [int(d) for d in t["shape"]]
+            if t["name"] not in _TENSORS or len(shape) != 4 or shape[2] != n or min(shape) < 0:
+                raise ValueError
+            payload += int(np.prod(shape)) * _DTYPES[t["dtype"]].itemsize
+        names = [t["name"] for t in h["tensors"]]
+        if names not in (list(_TENSORS[:2]), list(_TENSORS)) or payload != h["payload_bytes"] \
+                or h["version"] != FORMAT_VERSION:
+            raise ValueError
+    except (ValueError, KeyError, TypeError):
+        raise BadEntry("corrupt", "has a header describing an impossible layout") from None
+    return h, np.frombuffer(tok, dtype="<i4"), _PREFIX + hlen + 4 * n
 
 
 # --- the store ------------------------------------------------------------------------------------------------
@@ -335,7 +415,7 @@ class KVStore:
                 meta = self._read_meta(f)
         except OSError:                                   # vanished or unreadable: a miss
             return 0
-        except _Bad as e:
+        except BadEntry as e:
             self._discard(name, e, None)
             return 0
         if not self._ours(meta.header):
@@ -362,7 +442,7 @@ class KVStore:
                 meta = self._read_meta(f)
                 h = meta.header
                 if not self._ours(h):
-                    raise _Bad("foreign", f"was written for other models (target {h.get('target')}, "
+                    raise BadEntry("foreign", f"was written for other models (target {h.get('target')}, "
                                           f"draft {h.get('draft')})")
                 if n_tokens < 0:
                     raise ValueError(f"{name}: asked for {n_tokens} positions")
@@ -373,11 +453,11 @@ class KVStore:
                 f.seek(meta.payload_offset)
                 _read_hashed(f, [_bytes_of(t) for t in tensors.values()], digest)
                 if digest.hexdigest() != h["payload_sha256"]:
-                    raise _Bad("corrupt", "fails its payload checksum")
+                    raise BadEntry("corrupt", "fails its payload checksum")
                 self._touch(f.fileno())
         except FileNotFoundError:
             return None                                   # evicted or removed by another process: a miss
-        except _Bad as e:
+        except BadEntry as e:
             self._discard(name, e, meta)
             return None
         except OSError as e:                              # unreadable (permissions, I/O error): not ours to remove
@@ -395,52 +475,21 @@ class KVStore:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as e:
             if e.errno == errno.ELOOP:
-                raise _Bad("link", "is a symbolic link") from None
+                raise BadEntry("link", "is a symbolic link") from None
             raise
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             os.close(fd)
-            raise _Bad("link", "is a directory" if stat.S_ISDIR(mode) else "is not a regular file")
+            raise BadEntry("link", "is a directory" if stat.S_ISDIR(mode) else "is not a regular file")
         return os.fdopen(fd, "rb", buffering=0)
 
     def _read_meta(self, f) -> _Meta:
         st = os.fstat(f.fileno())
-        prefix = _read_exact(f, _PREFIX, "header")
-        if prefix[:8] != MAGIC:
-            raise _Bad("corrupt", "is not a jllm KV cache file (bad magic)")
-        version, hlen = int.from_bytes(prefix[8:12], "little"), int.from_bytes(prefix[12:16], "little")
-        if version != FORMAT_VERSION:
-            raise _Bad("version", f"has format version {version}, this jllm reads version {FORMAT_VERSION}")
-        if hlen > _MAX_HEADER:
-            raise _Bad("corrupt", f"has an implausible header length {hlen}")
-        raw = _read_exact(f, hlen, "header")
-        try:
-            h = json.loads(raw)
-            n = int(h["n_tokens"])
-        except (ValueError, KeyError, TypeError):
-            raise _Bad("corrupt", "has an unreadable header") from None
-        if not 0 <= n <= _MAX_TOKENS:
-            raise _Bad("corrupt", f"has an implausible token count {n}")
-        tok = _read_exact(f, 4 * n, "token ids")
-        if hashlib.sha256(raw + tok).digest() != prefix[16:48]:
-            raise _Bad("corrupt", "fails its header checksum")
-        try:
-            payload = 0
-            for t in h["tensors"]:
-                shape = [int(d) for d in t["shape"]]
-                if t["name"] not in _TENSORS or len(shape) != 4 or shape[2] != n or min(shape) < 0:
-                    raise ValueError
-                payload += int(np.prod(shape)) * _DTYPES[t["dtype"]].itemsize
-            names = [t["name"] for t in h["tensors"]]
-            if names not in (list(_TENSORS[:2]), list(_TENSORS)) or payload != h["payload_bytes"] \
-                    or h["version"] != FORMAT_VERSION:
-                raise ValueError
-        except (ValueError, KeyError, TypeError):
-            raise _Bad("corrupt", "has a header describing an impossible layout") from None
-        end = _PREFIX + hlen + 4 * n + payload
+        h, tokens, head = read_head(lambda n, what: _read_exact(f, n, what))
+        end = head + h["payload_bytes"]
         if st.st_size != end:
-            raise _Bad("corrupt", f"is {st.st_size} bytes, its header says {end} (truncated or overwritten)")
-        return _Meta(h, np.frombuffer(tok, dtype="<i4"), st, _PREFIX + hlen + 4 * n)
+            raise BadEntry("corrupt", f"is {st.st_size} bytes, its header says {end} (truncated or overwritten)")
+        return _Meta(h, tokens, st, head)
 
     def _ours(self, header: dict) -> bool:
         return header.get("target") == self.target_fingerprint and header.get("draft") == self.draft_fingerprint
@@ -451,7 +500,7 @@ class KVStore:
             self._warned.add(key)
             self.warn(message)
 
-    def _discard(self, name: str, bad: _Bad, meta: _Meta | None) -> None:
+    def _discard(self, name: str, bad: BadEntry, meta: _Meta | None) -> None:
         """Remove a bad entry (unless it was replaced by a new file meanwhile) and report it once; what is not
         a regular file there (kind "link") is mended instead."""
         if bad.kind == "link":
@@ -516,28 +565,8 @@ class KVStore:
         is not kept), then write atomically (temp file in the same dir, fsync, rename, fsync the dir). conv_id
         None names the entry after its tokens. Returns the name, or None (after one warning) if the state was
         too large to keep or could not be written (a full disk, a broken lock)."""
-        tokens = np.asarray(state.tokens, dtype=np.int64)
-        name = check_conversation_id(conv_id) if conv_id is not None else \
-            "anon-" + hashlib.sha256(tokens.astype("<i4").tobytes()).hexdigest()[:24]
-        tensors = {"target_k": state.target_k, "target_v": state.target_v}
-        if (state.draft_k is None) != (state.draft_v is None):
-            raise ValueError("KVState: draft_k and draft_v come together")
-        if state.draft_k is not None:
-            tensors.update(draft_k=state.draft_k, draft_v=state.draft_v)
-        n = len(tokens)
-        if n and (tokens.min() < 0 or tokens.max() >= 2**31):
-            raise ValueError("KVState: token ids must fit in int32")
-        for k, t in tensors.items():
-            if t.dim() != 4 or t.shape[2] != n or dtype_name(t.dtype) not in _DTYPES:
-                raise ValueError(f"KVState: {k} is {tuple(t.shape)} {t.dtype}, expected "
-                                 f"[layers, kv_heads, {n}, head_dim] float32/float16/bfloat16")
-        views = [_bytes_of(t) for t in tensors.values()]
-        header = {"version": FORMAT_VERSION, "name": name, "created": int(time.time()),
-                  "target": self.target_fingerprint, "draft": self.draft_fingerprint, "n_tokens": n,
-                  "tensors": [{"name": k, "dtype": dtype_name(t.dtype), "shape": list(t.shape)}
-                              for k, t in tensors.items()],
-                  "payload_bytes": sum(len(v) for v in views), "payload_sha256": "0" * 64}
-        tok = tokens.astype("<i4").tobytes()
+        name = check_conversation_id(conv_id) if conv_id is not None else anon_name(state.tokens)
+        header, tok, views = entry_parts(name, state, self.target_fingerprint, self.draft_fingerprint)
         size = _PREFIX + len(json.dumps(header).encode()) + len(tok) + header["payload_bytes"]
         if size > self.max_bytes:
             self.warn(f"KV state '{name}' ({size / 2**20:.1f} MiB) is larger than the whole KV cache "
@@ -570,10 +599,8 @@ class KVStore:
                 digest = hashlib.sha256()
                 _write_hashed(f, views, digest)
                 header["payload_sha256"] = digest.hexdigest()
-                raw = json.dumps(header).encode()
-                prefix = MAGIC + FORMAT_VERSION.to_bytes(4, "little") + len(raw).to_bytes(4, "little") \
-                    + hashlib.sha256(raw + tok).digest()
-                os.pwrite(f.fileno(), prefix + raw, 0)
+                head = entry_head(header, tok)                   # the tokens are in place already
+                os.pwrite(f.fileno(), head[:len(head) - len(tok)], 0)
                 self._touch(f.fileno())
                 os.fsync(f.fileno())
             os.replace(tmp, self.dir / f"{name}.kv")
@@ -659,7 +686,7 @@ class KVStore:
                            draft_match=h.get("draft") == self.draft_fingerprint)
             except FileNotFoundError:
                 continue
-            except _Bad as e:
+            except BadEntry as e:
                 row["problem"] = str(e)
             out.append(row)
         return out
