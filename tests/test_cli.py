@@ -281,12 +281,15 @@ def test_models_lists_the_aliases(home):
     proc = jllm(home, "models")
     assert proc.returncode == 0, proc.stderr
     rows = {ln.split()[0]: ln.split() for ln in proc.stdout.splitlines()[2:] if ln.split()[0] in ALIASES}
-    assert set(rows) == set(ALIASES) and len(ALIASES) == 4
-    assert all(row[2] == "no" for row in rows.values())         # nothing downloaded into this models dir
+    assert set(rows) == set(ALIASES) and len(ALIASES) == 5
+    # nothing downloaded into this models dir; the head ships inside jllm
+    assert {alias: row[2] for alias, row in rows.items()} == {a: "shipped" if s.bundled else "no"
+                                                               for a, s in ALIASES.items()}
     assert {alias: row[1] for alias, row in rows.items()} == {
         "qwen2.5-coder-1.5b": "instruct", "qwen2.5-coder-0.5b": "instruct", "gemma-3-270m": "base",
-        "smollm2-135m": "instruct"}
+        "smollm2-135m": "instruct", "qwen2.5-coder-1.5b-eagle3": "head"}
     assert "base: a pretrained model without chat tuning" in proc.stdout
+    assert "head: an EAGLE-3 draft head" in proc.stdout
 
 
 def test_chat_over_stdin(home):

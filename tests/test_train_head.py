@@ -17,7 +17,7 @@ from jllm.model.config import config_from_gguf
 from jllm.train import data as data_mod
 from jllm.train.eagle3 import Eagle3Head, HeadConfig, rope_interleaved
 from jllm.train.export import write_head
-from jllm.train.head import TrainConfig, new_head, train
+from jllm.train.head import TrainConfig, make_batches, new_head, train
 from jllm.train.target import load_target
 
 pytestmark = pytest.mark.usefixtures("native_kernels")      # built before the first model runs
@@ -161,10 +161,15 @@ def test_train_loss_falls_and_the_gguf_loads(target, tmp_path):
     torch.manual_seed(0)
     head = new_head(tg, d2t, ffn=128)
     assert torch.equal(head.lm_head.weight, tg.lm_head[torch.from_numpy(d2t)])
-    tc = TrainConfig(steps=40, lr=3e-3, warmup=4, batch_tokens=512, max_len=256, ttt=3, log_every=1000)
+    tc = TrainConfig(steps=40, lr=3e-3, warmup=4, batch_tokens=512, max_len=256, ttt=3, log_every=1000,
+                     holdout=0.2)
     hist = train(tg, head, conv, tc, log=lambda s: None)
     first, last = np.mean(hist.loss[:3]), np.mean(hist.loss[-3:])
     assert last < 0.6 * first, (first, last)
+    # one conversation of the six was kept out and scored at the end, per draft step
+    assert [s for s, _ in hist.held_acc] == [40] and len(hist.held_acc[0][1]) == 3
+    assert all(0.0 <= a <= 1.0 for a in hist.held_acc[0][1])
+    assert sorted(i for b in make_batches(conv, 256, 512, [0, 3]) for i in b) == [0, 3]
     assert np.mean([a[0] for a in hist.step_acc[-3:]]) > np.mean([a[0] for a in hist.step_acc[:3]])
 
     path = tmp_path / "head.gguf"

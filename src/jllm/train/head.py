@@ -43,9 +43,12 @@ class TrainConfig:
     clip: float = 0.5
     seed: int = 0
     log_every: int = 50
+    holdout: float = 0.0             # share of conversations kept out of training, to measure the head on
+    holdout_batches: int = 8         # of them, at most this many batches are scored at each log line
 
     def __post_init__(self):
-        if self.steps < 1 or self.ttt < 1 or self.batch_tokens < self.max_len or self.lr <= 0:
+        if self.steps < 1 or self.ttt < 1 or self.batch_tokens < self.max_len or self.lr <= 0 or \
+                not 0.0 <= self.holdout <= 0.5:
             raise JllmError(f"bad training settings: {self}")
 
 
@@ -57,12 +60,15 @@ class History:
     tokens: int = 0
     target_s: float = 0.0
     head_s: float = 0.0
+    held_acc: list[tuple[int, list[float]]] = field(default_factory=list)   # (step, agreement per draft step)
 
 
-def make_batches(conv: data_mod.Conversations, max_len: int, batch_tokens: int) -> list[list[int]]:
-    """Conversation indices grouped by length so that B * (longest) <= batch_tokens."""
+def make_batches(conv: data_mod.Conversations, max_len: int, batch_tokens: int,
+                 indices=None) -> list[list[int]]:
+    """Conversation indices (all, or `indices`) grouped by length so that B * (longest) <= batch_tokens."""
     lengths = np.minimum(conv.offsets[1:] - conv.offsets[:-1], max_len)
-    order = np.argsort(lengths, kind="stable")
+    pool = np.arange(len(conv)) if indices is None else np.asarray(sorted(indices))
+    order = pool[np.argsort(lengths[pool], kind="stable")]
     batches, cur = [], []
     for i in order:
         if cur and (len(cur) + 1) * int(lengths[i]) > batch_tokens:
@@ -97,7 +103,9 @@ def train(target: Target, head: Eagle3Head, conv: data_mod.Conversations, tc: Tr
           log=print) -> History:
     dev = target.device
     rng = random.Random(tc.seed)
-    batches = make_batches(conv, tc.max_len, tc.batch_tokens)
+    held = set(random.Random(tc.seed + 1).sample(range(len(conv)), int(len(conv) * tc.holdout)))
+    batches = make_batches(conv, tc.max_len, tc.batch_tokens, [i for i in range(len(conv)) if i not in held])
+    held_batches = make_batches(conv, tc.max_len, tc.batch_tokens, held)[::-1][:tc.holdout_batches] if held else []
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=tc.lr, betas=(0.9, 0.95), weight_decay=0.0)
     warm = min(tc.warmup, max(1, tc.steps // 10))
@@ -146,8 +154,36 @@ def train(target: Target, head: Eagle3Head, conv: data_mod.Conversations, tc: Tr
             log(f"step {step + 1}/{tc.steps}: loss {np.mean(hist.loss[-k:]):.3f}, agreement per draft step "
                 f"{' '.join(f'{a:.2f}' for a in acc)}, {hist.tokens / (time.perf_counter() - t_start):.0f} "
                 f"tok/s (target {hist.target_s:.1f} s, head {hist.head_s:.1f} s)")
+            if held_batches and ((step + 1) % (4 * tc.log_every) == 0 or step + 1 == tc.steps):
+                held_acc = evaluate(target, head, conv, held_batches, tc, pad, d2t, autocast)
+                hist.held_acc.append((step + 1, held_acc))
+                log(f"step {step + 1}: held-out agreement per draft step {' '.join(f'{a:.2f}' for a in held_acc)} "
+                    f"({len(held)} conversations kept out)")
     head.eval()
     return hist
+
+
+@torch.no_grad()
+def evaluate(target: Target, head: Eagle3Head, conv, batches, tc: TrainConfig, pad: int, d2t, autocast) -> list[float]:
+    """The head's top-1 agreement with the target at each draft step over `batches` (reply positions,
+    weighted by their count), in eval mode, restoring training mode after."""
+    head.eval()
+    hits = np.zeros(tc.ttt)
+    count = 0
+    for idx in batches:
+        ids, lengths, starts = collate(conv, idx, tc.max_len, pad, target.device)
+        feats, logits = target.features(ids, lengths, head.c.target_layers)
+        top = logits.argmax(-1)
+        tl = logits[..., d2t]
+        del logits
+        with autocast:
+            _, _, accs = head.ttt(feats, ids, lengths, starts, tl, top, tc.ttt, tc.decay)
+        n = int(((torch.arange(ids.shape[1], device=ids.device)[None, :] + 2 < lengths[:, None]) &
+                 (torch.arange(ids.shape[1], device=ids.device)[None, :] + 2 >= starts[:, None])).sum())
+        hits += np.asarray(accs) * n
+        count += n
+    head.train()
+    return (hits / max(count, 1)).tolist()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-len", type=int, default=TrainConfig.max_len)
     ap.add_argument("--ttt", type=int, default=TrainConfig.ttt, help="unrolled draft steps")
     ap.add_argument("--qtype", default="Q4_0", help="matrix type in the file (Q4_0, Q8_0, F16, ...)")
+    ap.add_argument("--holdout", type=float, default=0.02, help="share of conversations kept out of training "
+                    "and scored every 4 log lines (0: none)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     try:
@@ -212,7 +250,7 @@ def _run(a) -> int:
     print(f"head: draft vocabulary {len(d2t)}, ffn {head.c.ffn}, layers {list(head.c.target_layers)}, "
           f"~{file_bytes(head, qtype) / 2**20:.1f} MiB of tensors in {qtype.name}")
     tc = TrainConfig(steps=a.steps, lr=a.lr, batch_tokens=a.batch_tokens, max_len=a.max_len, ttt=a.ttt,
-                     seed=a.seed)
+                     seed=a.seed, holdout=a.holdout)
     t1 = time.perf_counter()
     hist = train(target, head, conv, tc)
     size = write_head(a.out, head, a.model, qtype)
