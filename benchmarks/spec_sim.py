@@ -38,6 +38,8 @@ def trace(a) -> None:
     from jllm.catalog import resolve
 
     eng = Engine(str(resolve(a.model)), draft_path=str(resolve(a.draft)), spec=SpecConfig())
+    if eng.head is not None:
+        return trace_head(a, eng)
     draft = eng.draft.model
     rows = []
     for item in load_corpus():
@@ -55,6 +57,44 @@ def trace(a) -> None:
         hit = sum(x == y for x, y in zip(rows[-1]["draft"], out)) / len(out)
         print(f"{item['id']:<28} {len(out):>4} tokens, draft top-1 agrees {hit:.2f}", flush=True)
     Path(a.out).write_text(json.dumps({"model": a.model, "draft": a.draft, "rows": rows}))
+
+
+def trace_head(a, eng, depth: int = 8) -> None:
+    """An EAGLE-3 head's trace. A head's prediction depends on where its chain began (the first draft reads
+    the target's states, later ones its own), so for each start i of the target's output it records the
+    chain the head drafts from the accepted context prompt + out[:i]: `head[i]` = [token, its probability,
+    the second choice] for depths 0 .. depth - 1 (predicting out[i + j]). Replay reads a depth only when the
+    drafts before it were the target's own tokens, so feeding the head its own tokens is exact."""
+    from jllm.sampling import SamplingParams
+    from jllm.spec.corpus import load_corpus
+
+    prop, head = eng.draft_proposer, eng.head
+    greedy = SamplingParams()
+    rows = []
+    for item in load_corpus():
+        ids = eng.chat_ids(item["messages"])
+        eng.reset()
+        out = eng.generate(ids, SamplingParams(max_tokens=a.n)).token_ids
+        eng.reset()
+        with torch.inference_mode():
+            eng.target.sync(ids + out)                     # the target's states over the whole text
+            chains = [None]
+            for i in range(1, len(out)):
+                ctx = ids + out[:i]
+                first = prop.catch_up(ctx)
+                rows_before, logits, state, chain = head.length, first.logits, first.state, []
+                for j in range(min(depth, len(out) - i)):
+                    tok, p, _ = prop.choose(logits, greedy, None, ctx + [c[0] for c in chain])
+                    chain.append([tok, round(float(p), 4), prop.choose.second(logits, tok)])
+                    if j + 1 < min(depth, len(out) - i):
+                        s = head.step(tok, state)
+                        logits, state = s.logits, s.state
+                head.truncate(rows_before)
+                chains.append(chain)
+        rows.append({"id": item["id"], "category": item["category"], "prompt": ids, "out": out, "head": chains})
+        hit = sum(c[0][0] == out[i] for i, c in enumerate(chains) if c) / max(1, len(out) - 1)
+        print(f"{item['id']:<28} {len(out):>4} tokens, head top-1 agrees {hit:.2f}", flush=True)
+    Path(a.out).write_text(json.dumps({"model": a.model, "draft": a.draft, "head": True, "rows": rows}))
 
 
 def costs(a) -> None:
@@ -115,7 +155,7 @@ def replay(row: dict, policy: dict, d: float, V, gate=None) -> tuple[float, int,
     alone); ngram_cost (n-gram proposals cut by ngram_keep); leaf_p (side leaves at leaf_position),
     leaf_gate (only while DraftGate.leaf_pays). gate: a DraftGate deciding draft or plain rounds, as jllm
     runs it; a draft back from plain rounds catches up at ~8 % of a step per extra token (one batched pass)."""
-    out, dr, dp = row["out"], row["draft"], row["draft_p"]
+    out, at = row["out"], _chain_at(row)
     ctx = list(row["prompt"]) + [out[0]]       # out[0] comes from the prefill
     i, n_out = 1, len(out)
     cost, drafted, accepted = 0.0, 0, 0
@@ -142,10 +182,10 @@ def replay(row: dict, policy: dict, d: float, V, gate=None) -> tuple[float, int,
             cost += d * max(0, i - synced - 1) * 0.08
             k = min(kmax, room, cap)
             while True:
-                p = dp[i + len(drafts)]  # after a wrong token the real draft's confidence is unknown: this stands in
+                tok, p, _ = at(i, len(drafts))  # after a wrong token the real draft's confidence is unknown: this stands in
                 if rule == "after" and drafts and p < policy["p_min"]:
                     break
-                drafts.append(-1 if policy.get("wrong") else dr[i + len(drafts)])
+                drafts.append(-1 if policy.get("wrong") else tok)
                 chain *= p
                 goes_on = len(drafts) < k if rule == "after" else \
                     draft_goes_on(len(drafts), k, 1, chain, policy["p_min"], extend)
@@ -159,8 +199,8 @@ def replay(row: dict, policy: dict, d: float, V, gate=None) -> tuple[float, int,
         leaf = None
         if kind == "draft" and policy.get("leaf_p") and not policy.get("wrong") and \
                 (not policy.get("leaf_gate") or gate is None or gate.leaf_pays()):
-            leaf = leaf_position([dp[i + j] for j in range(len(drafts))], policy["leaf_p"])
-        taken = leaf is not None and n == leaf and i + n + 1 < n_out and row["draft2"][i + n] == out[i + n]
+            leaf = leaf_position([at(i, j)[1] for j in range(len(drafts))], policy["leaf_p"])
+        taken = leaf is not None and n == leaf and i + n + 1 < n_out and at(i, n)[2] == out[i + n]
         rows_k = len(drafts) + (leaf is not None)
         cost += V(rows_k)
         if gate is not None:
@@ -183,6 +223,16 @@ def replay(row: dict, policy: dict, d: float, V, gate=None) -> tuple[float, int,
         ctx.extend(out[i:i + n + 1])
         i += n + 1
     return cost, n_out - 1, drafted, accepted
+
+
+def _chain_at(row: dict):
+    """at(i, j) -> (token, probability, second choice) of the j-th draft of a chain begun after out[:i]: a
+    head's recorded chain (trace_head), or a draft model's predictions along the target's output."""
+    if "head" in row:
+        hd = row["head"]
+        return lambda i, j: hd[i][j] if j < len(hd[i]) else (-1, 0.0, -1)
+    dr, dp, d2 = row["draft"], row["draft_p"], row["draft2"]
+    return lambda i, j: (dr[i + j], dp[i + j], d2[i + j])
 
 
 def _extend_rule(policy: dict, gate, d: float, V):
@@ -314,13 +364,14 @@ def bound(a) -> None:
     Vtab, V = _verify_costs(a)
     bins = {}
     for r in rows:
-        out, dr, dp = r["out"], r["draft"], r["draft_p"]
+        out, at = r["out"], _chain_at(r)
         for i in range(1, len(out)):
             g, _ = ngram_lookup(r["prompt"] + out[:i], 1)
-            key = ("agree" if g and g[0] == dr[i] else "differ" if g else "none", min(9, int(dp[i] * 10)))
+            tok, p, _ = at(i, 0)
+            key = ("agree" if g and g[0] == tok else "differ" if g else "none", min(9, int(p * 10)))
             hits = bins.setdefault(key, [0, 0])
             hits[0] += 1
-            hits[1] += dr[i] == out[i]
+            hits[1] += tok == out[i]
     print("the draft's top-1 probability p -> share of its tokens the target agrees with (positions)")
     for lookup in ("all", "agree", "differ", "none"):
         cells = []
@@ -334,11 +385,11 @@ def bound(a) -> None:
     for d in [float(x) for x in a.d.split(",")]:
         tokens = cost = 0.0
         for r in rows:
-            out, dr = r["out"], r["draft"]
+            out, at = r["out"], _chain_at(r)
             i = 1
             while i < len(out):
                 chain = 0
-                while i + chain < len(out) and chain < 8 and dr[i + chain] == out[i + chain]:
+                while i + chain < len(out) and chain < 8 and at(i, chain)[0] == out[i + chain]:
                     chain += 1
                 g, _ = ngram_lookup(r["prompt"] + out[:i], 8)
                 copy = 0
