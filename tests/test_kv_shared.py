@@ -275,3 +275,30 @@ def test_tiered_longer_prefix_wins_local_on_ties(server, tmp_path):
     b.shared.save("conv", state(range(900), seed=3))
     assert b.lookup(list(range(900)) + [1], "conv") == ("conv", 900)
     assert same(b.load("conv", 900), state(range(900), seed=1))             # tie: the local copy
+
+
+@pytest.mark.usefixtures("native_kernels")
+def test_engine_replica_b_continues_what_a_served(server, tmp_path, monkeypatch):
+    """Two engines with their own local dirs on one Redis: turn 2 on B evaluates only its new tokens and
+    answers exactly as a recomputation."""
+    from jllm.engine import Engine
+    from jllm.sampling import SamplingParams
+    from synthetic import write_tiny_model
+
+    monkeypatch.setenv("JLLM_CONVERTED_DIR", str(tmp_path / "converted"))
+    path = str(tmp_path / "m.gguf")
+    write_tiny_model(path, "qwen2", seed=5)
+    p = SamplingParams(max_tokens=12)
+    turn1 = [{"role": "user", "content": "tell me about caches " * 8}]
+    a = Engine(path, ctx_size=512, threads=1, kv_store_dir=str(tmp_path / "a"), kv_store_url=server.url)
+    r1 = a.generate(a.chat_ids(turn1), p, conv_id="c1")
+    a.wait_saves()
+    msgs = turn1 + [{"role": "assistant", "content": r1.text}, {"role": "user", "content": "and then?"}]
+    b = Engine(path, ctx_size=512, threads=1, kv_store_dir=str(tmp_path / "b"), kv_store_url=server.url)
+    ids = b.chat_ids(msgs)
+    res = b.generate(ids, p, conv_id="c1")
+    assert res.timings.cached_tokens > len(ids) // 2
+    assert res.token_ids == Engine(path, ctx_size=512, threads=1).generate(ids, p).token_ids
+    assert b.kv_store.stats()["shared"]["count"] == 1
+    with pytest.raises(JllmError, match="bad KV store URL"):
+        Engine(path, kv_store_dir=str(tmp_path / "c"), kv_store_url="http://127.0.0.1:1")

@@ -62,6 +62,13 @@ def _engine(a: argparse.Namespace, kv_cache: bool = False, default_head: bool = 
 
     kv_dir = str(_cache_dir(a)) if kv_cache else None
     _check_sizes(a)
+    url = getattr(a, "kv_store", None)
+    if url is not None:                         # a bad URL fails before any download or load
+        from jllm.cache.shared import check_url
+
+        check_url(url)
+        if not kv_cache:
+            raise JllmError("--kv-store shares the persistent KV cache between servers; drop --no-kv-cache")
     if default_head and a.draft_model is None and a.spec in (None, "auto", "draft", "draft+ngram") and \
             os.environ.get("JLLM_SPEC_DECODE") != "0":
         from jllm.model.loader import resolve_device
@@ -82,7 +89,9 @@ def _engine(a: argparse.Namespace, kv_cache: bool = False, default_head: bool = 
                     a.mem_limit)
     return Engine(str(resolve(a.model)), device=a.device, precision=a.precision, ctx_size=a.ctx_size,
                   threads=a.threads, kv_store_dir=kv_dir, kv_store_bytes=getattr(a, "cache_size", 1 << 30),
-                  draft_path=str(resolve(draft)) if draft else None, spec=spec)
+                  draft_path=str(resolve(draft)) if draft else None, spec=spec,
+                  kv_store_url=url,
+                  kv_store_shared_bytes=getattr(a, "kv_store_size", 4 << 30))
 
 
 def _check_sizes(a: argparse.Namespace) -> None:
@@ -168,10 +177,16 @@ def parse_size(text: str) -> int:
     return value
 
 
-def _cache_args(p: argparse.ArgumentParser) -> None:
+def _cache_args(p: argparse.ArgumentParser, shared: bool = False) -> None:
+    """The local KV cache's options; `shared` (chat, serve): also the Redis tier's."""
     p.add_argument("--cache-dir", default=None, help="persistent KV cache directory "
                    "(default: $JLLM_CACHE_DIR or the user cache dir)")
     p.add_argument("--cache-size", type=parse_size, default=1 << 30, help="KV cache size cap (default 1G)")
+    if shared:
+        p.add_argument("--kv-store", default=None, metavar="URL", help="a Redis shared by several jllm servers "
+                       "behind the local KV cache: redis://[:PASSWORD@]HOST:PORT/DB, rediss:// for TLS")
+        p.add_argument("--kv-store-size", type=parse_size, default=4 << 30, metavar="SIZE", help="the shared KV store's cap "
+                       "(default 4G; jllm's own LRU across replicas)")
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -547,7 +562,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("chat", help="multi-turn chat: interactive, or one turn with -p (kept by --conversation)")
     _model_args(c)
     _sampling_args(c, n_predict=None)
-    _cache_args(c)
+    _cache_args(c, shared=True)
     _spec_args(c)
     c.add_argument("--system", default=None, help="system message (for a new conversation)")
     c.add_argument("--conversation", default=None, metavar="ID", help="conversation to continue or start")
@@ -561,7 +576,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, "
                         "/v1/models, /health, /metrics")
     _model_args(sv)
-    _cache_args(sv)
+    _cache_args(sv, shared=True)
     _spec_args(sv)
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     sv.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080)")

@@ -18,7 +18,9 @@ from typing import Callable, Iterator
 
 import torch
 
+from jllm.cache.shared import RedisTier, check_url
 from jllm.cache.store import KVState, KVStore, dtype_name, model_fingerprint
+from jllm.cache.tiered import TieredStore
 from jllm.eagle3.format import check_target, is_head, read_d2t, read_head_config
 from jllm.eagle3.head import Eagle3Head
 from jllm.errors import JllmError
@@ -106,8 +108,14 @@ def set_threads(threads: int | None) -> None:
 class Engine:
     def __init__(self, model_path: str, device: str | None = "cpu", precision: str | None = None,
                  ctx_size: int = 4096, threads: int | None = None, kv_store_dir: str | None = None,
-                 kv_store_bytes: int = 1 << 30, draft_path: str | None = None, spec=None):
-        """spec: a SpecConfig, or None for plain decoding (its mode 'none' too)."""
+                 kv_store_bytes: int = 1 << 30, draft_path: str | None = None, spec=None,
+                 kv_store_url: str | None = None, kv_store_shared_bytes: int = 4 << 30):
+        """spec: a SpecConfig, or None for plain decoding (its mode 'none' too). kv_store_url: a Redis that
+        several replicas share (cache/shared.py), behind the local store in kv_store_dir."""
+        if kv_store_url is not None:
+            if kv_store_dir is None:
+                raise JllmError("a shared KV store (--kv-store) needs the persistent KV cache; drop --no-kv-cache")
+            check_url(kv_store_url)                 # a bad URL fails before the models load
         if ctx_size <= 0:
             raise JllmError(f"context size must be positive, got {ctx_size}")
         t0 = time.perf_counter()
@@ -154,9 +162,13 @@ class Engine:
             elif self.head is not None:             # the head's state is kept in the draft's slot
                 draft_fp = model_fingerprint(self.head.gguf, f"eagle3/{self.head.precision}@{self.device.type}"
                                                              f"/kv-{dtype_name(self.head.cache.k.dtype)}")
-            self.kv_store = KVStore(kv_store_dir, max_bytes=kv_store_bytes,
-                                    target_fingerprint=model_fingerprint(self.gguf, tag),
+            target_fp = model_fingerprint(self.gguf, tag)
+            self.kv_store = KVStore(kv_store_dir, max_bytes=kv_store_bytes, target_fingerprint=target_fp,
                                     draft_fingerprint=draft_fp)
+            if kv_store_url is not None:
+                self.kv_store = TieredStore(self.kv_store, RedisTier(kv_store_url, max_bytes=kv_store_shared_bytes,
+                                                                     target_fingerprint=target_fp,
+                                                                     draft_fingerprint=draft_fp))
         self._saving: threading.Thread | None = None
         self.load_ms = (time.perf_counter() - t0) * 1000
 

@@ -166,6 +166,15 @@ return n
 """
 
 
+def check_url(url: str) -> str:
+    """Return url if it names a Redis (redis://, rediss://, unix://), else raise JllmError in one line."""
+    scheme = urlsplit(url).scheme if isinstance(url, str) else ""
+    if scheme not in ("redis", "rediss", "unix"):
+        raise JllmError(f"bad KV store URL {_where(url) if isinstance(url, str) else repr(url)}: use "
+                        f"redis://[:PASSWORD@]HOST:PORT/DB, rediss://... for TLS or unix:///PATH")
+    return url
+
+
 def _where(url: str) -> str:
     """The URL without its password, for messages."""
     u = urlsplit(url)
@@ -200,7 +209,7 @@ class RedisTier:
                             f"{chunk_bytes}, {block})")
         if not isinstance(prefix, str) or not prefix or any(c.isspace() for c in prefix):
             raise JllmError(f"shared KV tier: the key prefix {prefix!r} must be a non-empty string without spaces")
-        self.where = _where(url) if isinstance(url, str) else repr(url)
+        self.where = _where(check_url(url))
         try:
             # no retries of its own: a miss now beats a stalled turn, and _guard retries after retry_s
             self.r = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=min(timeout_s, 2.0),
