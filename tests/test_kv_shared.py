@@ -62,6 +62,8 @@ def test_round_trip_is_bitwise(server, dtype, draft):
     assert same(t.load("conv", 300), s, 300)
     assert t.load("conv", 701) is None                # longer than the entry: a miss
     assert t.stats()["count"] == 1
+    r = server.client()
+    assert {r.ttl(k) for k in r.keys("jllm:kv:c:*")} == {-1}   # committed: no orphan TTL left
 
 
 def test_prefix_lookup_across_conversations_and_anonymous_names(server):

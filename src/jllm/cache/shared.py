@@ -22,7 +22,8 @@ the old goes first), send the chunks under the new generation, then switch `e:<n
 the old generation's chunks, index fields and accounting go in the same step). Two replicas writing one
 conversation at once thus leave one whole entry, the last to switch; a write whose reservation was evicted
 meanwhile (a stalled writer) is abandoned. A writer that dies leaves its reservation, which is evicted in
-LRU order like any entry, so the cap holds at every moment.
+LRU order like any entry, so the cap holds at every moment; its chunks are sent with a TTL of an hour that
+the switch removes, so they expire even if nothing evicts them.
 
 Reading: `lookup` is two round trips whatever the number of entries: the prompt's prefix hashes (a chain:
 hash i covers blocks 0..i of `block` tokens, seeded with this replica's fingerprints, so another model
@@ -61,6 +62,7 @@ from jllm.cache.store import (_DTYPES, BadEntry, KVState, _print_to_stderr, anon
 from jllm.errors import JllmError
 
 DEFAULT_PREFIX = "jllm:kv:"
+_ORPHAN_TTL_S = 3600                # a write's chunks expire unless committed: a dead writer leaves nothing
 
 # shared by every script: ARGV[1] is the key prefix
 _LIB = """
@@ -72,7 +74,7 @@ local function drop(m)             -- remove a member: an entry or a write in fl
   else
     local e = redis.call('HMGET', P .. 'e:' .. m, 'gen', 'n', 'blocks')
     if e[1] then
-      for i = 0, tonumber(e[2]) - 1 do redis.call('DEL', P .. 'c:' .. m .. ':' .. e[1] .. ':' .. i) end
+      for i = 0, tonumber(e[2] or '0') - 1 do redis.call('DEL', P .. 'c:' .. m .. ':' .. e[1] .. ':' .. i) end
       for h in string.gmatch(e[3] or '', '%S+') do
         if redis.call('HGET', P .. 'idx', h) == m then redis.call('HDEL', P .. 'idx', h) end
       end
@@ -129,6 +131,7 @@ redis.call('HSET', P .. 'e:' .. name, 'gen', ARGV[4], 'n', ARGV[5], 'bytes', ARG
            'blocks', ARGV[8])
 redis.call('HSET', P .. 'size', name, ARGV[6])
 redis.call('ZADD', P .. 'lru', now(), name)
+for i = 0, tonumber(ARGV[5]) - 1 do redis.call('PERSIST', P .. 'c:' .. name .. ':' .. ARGV[4] .. ':' .. i) end
 for h in string.gmatch(ARGV[8], '%S+') do redis.call('HSET', P .. 'idx', h, name) end
 return 1
 """
@@ -431,6 +434,8 @@ class RedisTier:
         name, or None (one warning) when it is larger than the whole tier, or Redis is unreachable."""
         name = check_conversation_id(conv_id) if conv_id is not None else anon_name(state.tokens)
         header, tok, views = entry_parts(name, state, self.target_fingerprint, self.draft_fingerprint)
+        if time.monotonic() < self._down_until:
+            return None                               # unreachable: no need to hash the payload
         digest = hashlib.sha256()
         for v in views:
             digest.update(v)
@@ -452,7 +457,7 @@ class RedisTier:
         try:
             pipe = self.r.pipeline(transaction=False)
             for i, chunk in enumerate(chunks):
-                pipe.set(self._c(name, gen, i), chunk)
+                pipe.set(self._c(name, gen, i), chunk, ex=_ORPHAN_TTL_S)   # until the commit keeps them
             pipe.execute()
             done = self._commit(args=[self.prefix, name, pending, gen, len(chunks), size, head, blocks])
         except BaseException:
