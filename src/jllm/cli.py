@@ -185,8 +185,8 @@ def _cache_args(p: argparse.ArgumentParser, shared: bool = False) -> None:
     if shared:
         p.add_argument("--kv-store", default=None, metavar="URL", help="a Redis shared by several jllm servers "
                        "behind the local KV cache: redis://[:PASSWORD@]HOST:PORT/DB, rediss:// for TLS")
-        p.add_argument("--kv-store-size", type=parse_size, default=4 << 30, metavar="SIZE", help="the shared KV store's cap "
-                       "(default 4G; jllm's own LRU across replicas)")
+        p.add_argument("--kv-store-size", type=parse_size, default=4 << 30, metavar="SIZE",
+                       help="the shared KV store's cap (default 4G; jllm's own LRU across replicas)")
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
