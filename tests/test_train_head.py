@@ -287,3 +287,13 @@ def test_writing_then_derived_then_back_translation_rounds(target):
     assert typos != "the quick brown foxes jumped over lazy sleeping dogs " * 20
     assert len(typos.split(" ")) == 20 * 9 + 1
     assert all(p.startswith("Write ") for p in data_mod.writing_prompts(5, __import__("random").Random(0)))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_batched_decoder_matches_generate_for_llama_and_qwen3(tmp_path, arch):
+    """The other training targets: llama (its Q/K rows un-permuted at load) and qwen3 (per-head q/k norms)."""
+    write_tiny_model(tmp_path / "t.gguf", arch, num_hidden_layers=3, max_position_embeddings=512)
+    tg = load_target(str(tmp_path / "t.gguf"))
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(5, tg.cfg.vocab_size, size=n).tolist() for n in (4, 9, 2)]
+    assert tg.generate(prompts, 16, sample=False) == tg.hf_generate(prompts, 16)
