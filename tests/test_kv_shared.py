@@ -304,3 +304,37 @@ def test_engine_replica_b_continues_what_a_served(server, tmp_path, monkeypatch)
     assert b.kv_store.stats()["shared"]["count"] == 1
     with pytest.raises(JllmError, match="bad KV store URL"):
         Engine(path, kv_store_dir=str(tmp_path / "c"), kv_store_url="http://127.0.0.1:1")
+
+
+WRITER = """
+import sys, torch
+from jllm.cache.shared import RedisTier
+from jllm.cache.store import KVState
+t = RedisTier(sys.argv[1], target_fingerprint=sys.argv[2], chunk_bytes=1 << 14)
+k = int(sys.argv[3])
+for i in range(20):
+    n, v = 300 + 97 * ((k + i) % 7), float(k * 100 + i)
+    x = torch.full((2, 2, n, 16), v, dtype=torch.float16)
+    assert t.save("same", KVState(list(range(n)), x, x.clone())) == "same"
+"""
+
+
+def test_concurrent_writer_processes_leave_one_whole_entry(server):
+    import subprocess
+    import sys
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, server.url, FP, str(k)]) for k in (0, 1)]
+    reader, seen = tier(server), set()
+    while any(p.poll() is None for p in procs):
+        got = reader.load("same")
+        if got is not None:
+            v = got.target_k.flatten()[0].item()
+            assert got.tokens == list(range(got.target_k.shape[2])) and torch.all(got.target_k == v) \
+                and torch.all(got.target_v == v)
+            seen.add(v)
+    assert [p.wait() for p in procs] == [0, 0]
+    final = reader.load("same")
+    assert final is not None and final.target_k.flatten()[0].item() in (19.0, 119.0)
+    r = server.client()
+    assert reader.stats()["count"] == 1 and len(r.keys("jllm:kv:e:*")) == 1
+    assert reader.stats()["bytes"] == sum(r.strlen(k) for k in r.keys("jllm:kv:c:*")) + \
+        len(r.hget("jllm:kv:e:same", "meta"))

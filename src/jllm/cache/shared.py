@@ -383,6 +383,8 @@ class RedisTier:
                 raise ValueError(f"{name}: asked for {n} positions")
             if n > h["n_tokens"]:
                 return None                           # replaced by a shorter state since lookup: a miss
+            if h["payload_bytes"] > self.max_bytes:
+                return None                           # more than this replica keeps at all: not allocated
             payload = self._read_payload(name, gen.decode(), int(n_chunks or 0), h)
             if payload is None:
                 return None
