@@ -338,3 +338,17 @@ def test_concurrent_writer_processes_leave_one_whole_entry(server):
     assert reader.stats()["count"] == 1 and len(r.keys("jllm:kv:e:*")) == 1
     assert reader.stats()["bytes"] == sum(r.strlen(k) for k in r.keys("jllm:kv:c:*")) + \
         len(r.hget("jllm:kv:e:same", "meta"))
+
+
+def test_cache_command_sees_the_shared_tier(server, tmp_path, capsys):
+    from jllm.cli import main
+    tier(server).save("remote", state(range(300)))
+    args = ["--cache-dir", str(tmp_path / "local"), "--kv-store", server.url]
+    assert main(["cache", "ls", *args]) == 0
+    out = capsys.readouterr().out
+    assert "shared (redis://127.0.0.1" in out and "remote" in out
+    assert main(["cache", "stats", *args]) == 0 and "'count': 1" in capsys.readouterr().out
+    assert main(["cache", "rm", "remote", *args]) == 0 and "removed: remote" in capsys.readouterr().out
+    assert main(["cache", "clear", *args]) == 0
+    assert main(["cache", "ls", "--kv-store", "http://x", "--cache-dir", str(tmp_path / "l2")]) == 1
+    assert capsys.readouterr().err.strip().startswith("jllm: bad KV store URL http://x")

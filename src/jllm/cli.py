@@ -178,7 +178,7 @@ def parse_size(text: str) -> int:
 
 
 def _cache_args(p: argparse.ArgumentParser, shared: bool = False) -> None:
-    """The local KV cache's options; `shared` (chat, serve): also the Redis tier's."""
+    """The local KV cache's options; `shared` (chat, serve, cache): also the Redis tier's."""
     p.add_argument("--cache-dir", default=None, help="persistent KV cache directory "
                    "(default: $JLLM_CACHE_DIR or the user cache dir)")
     p.add_argument("--cache-size", type=parse_size, default=1 << 30, help="KV cache size cap (default 1G)")
@@ -355,7 +355,14 @@ def _after_reply(a: argparse.Namespace, eng, run, ids: list[int], verbose: bool)
         print(f"\033[2m{line}\033[0m" if dim else line, file=sys.stderr)
 
 
-CACHE_USAGE = "jllm cache {ls,rm ID...,clear,stats} [--cache-dir DIR] [--cache-size SIZE]"
+CACHE_USAGE = "jllm cache {ls,rm ID...,clear,stats} [--cache-dir DIR] [--cache-size SIZE] [--kv-store URL]"
+
+
+def _print_entries(rows: list[dict]) -> None:
+    print(f"{'entry':<40} {'tokens':>7} {'MiB':>8}  last used")
+    for e in sorted(rows, key=lambda e: -e["last_used"]):
+        print(f"{e['name']:<40} {e['tokens']:>7} {e['bytes'] / 2**20:>8.1f}  "
+              f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(e['last_used']))}")
 
 
 def cmd_cache(a: argparse.Namespace) -> int:
@@ -371,7 +378,12 @@ def cmd_cache(a: argparse.Namespace) -> int:
     for conv in a.ids:                          # a bad id refuses the command before anything is removed
         check_conversation_id(conv)
     cache_dir = _cache_dir(a)
-    if not cache_dir.exists():                  # looking must not create it
+    shared = None
+    if a.kv_store is not None:                  # the Redis tier too (its calls warn and miss while it is down)
+        from jllm.cache.shared import RedisTier
+
+        shared = RedisTier(a.kv_store, max_bytes=a.kv_store_size)
+    if not cache_dir.exists() and shared is None:   # looking must not create it
         if a.action == "rm":
             raise JllmError(f"no such conversation: {', '.join(a.ids)} (no KV cache at {cache_dir})")
         print(f"no KV cache at {cache_dir} (nothing stored yet)")
@@ -380,17 +392,17 @@ def cmd_cache(a: argparse.Namespace) -> int:
     if a.action == "ls":
         rows = store.entries()
         convs = set(list_conversations(cache_dir))
-        print(f"{'entry':<40} {'tokens':>7} {'MiB':>8}  last used")
-        for e in sorted(rows, key=lambda e: -e["last_used"]):
-            print(f"{e['name']:<40} {e['tokens']:>7} {e['bytes'] / 2**20:>8.1f}  "
-                  f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(e['last_used']))}")
+        _print_entries(rows)
         only_msgs = sorted(convs - {e["name"] for e in rows})
         if only_msgs:
             print(f"conversations without a cached KV state: {', '.join(only_msgs)}")
+        if shared is not None:
+            print(f"shared ({shared.where}):")
+            _print_entries(shared.entries())
     elif a.action == "rm":                      # the ones there are removed; the missing ones are an error
         missing = []
         for conv in a.ids:
-            if store.remove(conv) | remove_messages(cache_dir, conv):
+            if store.remove(conv) | remove_messages(cache_dir, conv) | (shared is not None and shared.remove(conv)):
                 print(f"removed: {conv}")
             else:
                 missing.append(conv)
@@ -400,8 +412,12 @@ def cmd_cache(a: argparse.Namespace) -> int:
         n = store.clear()
         clear_temps(cache_dir)                  # histories stay; their dead writers' temp files go
         print(f"removed {n} cached states")
+        if shared is not None:
+            print(f"removed {shared.clear()} cached states from {shared.where}")
     else:
         st = store.stats()
+        if shared is not None:
+            st["shared"] = shared.stats()
         for k, v in st.items():
             print(f"{k:<12} {v}")
     return 0
@@ -591,7 +607,7 @@ def build_parser() -> argparse.ArgumentParser:
     k = sub.add_parser("cache", help="the persistent KV cache: ls | rm ID... | clear | stats", usage=CACHE_USAGE)
     k.add_argument("action", nargs="?", choices=["ls", "rm", "clear", "stats"])
     k.add_argument("ids", nargs="*", metavar="ID", help="conversations to remove (rm only)")
-    _cache_args(k)
+    _cache_args(k, shared=True)
     k.set_defaults(func=cmd_cache)
 
     m = sub.add_parser("models", help="list model aliases; `models pull ALIAS` downloads one")
