@@ -389,10 +389,11 @@ def test_cache_rm_of_missing_ids_is_an_error_after_removing_the_others(capsys, t
 
 
 @pytest.mark.parametrize("args, line", [
-    ([], "jllm: usage: jllm cache {ls,rm ID...,clear,stats} [--cache-dir DIR] [--cache-size SIZE]"),
+    ([], "jllm: usage: jllm cache {ls,rm ID...,clear,stats} [--cache-dir DIR] [--cache-size SIZE] "
+         "[--kv-store URL]"),
     (["rm"], "jllm: usage: jllm cache rm ID [ID ...]"),
     (["ls", "x"], "jllm: `cache ls` takes no ids (usage: jllm cache {ls,rm ID...,clear,stats} [--cache-dir DIR] "
-                  "[--cache-size SIZE])"),
+                  "[--cache-size SIZE] [--kv-store URL])"),
 ])
 def test_cache_usage(capsys, tmp_path, args, line):
     run = cache(capsys, tmp_path, *args)
