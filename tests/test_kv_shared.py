@@ -352,3 +352,14 @@ def test_cache_command_sees_the_shared_tier(server, tmp_path, capsys):
     assert main(["cache", "clear", *args]) == 0
     assert main(["cache", "ls", "--kv-store", "http://x", "--cache-dir", str(tmp_path / "l2")]) == 1
     assert capsys.readouterr().err.strip().startswith("jllm: bad KV store URL http://x")
+
+
+def test_metrics_show_the_shared_tier(server, tmp_path):
+    from jllm.server.metrics import Metrics
+    store = TieredStore(KVStore(tmp_path / "l", target_fingerprint=FP), tier(server, max_bytes=1 << 20))
+    store.save("c", state(range(300)))
+    text = Metrics().render(0, 0, store.stats())
+    assert "jllm_kv_shared_up 1" in text and "jllm_kv_shared_entries 1" in text
+    assert "jllm_kv_shared_max_bytes 1048576" in text and "jllm_kv_cache_entries 1" in text
+    server.stop()
+    assert "jllm_kv_shared_up 0" in Metrics().render(0, 0, store.stats())

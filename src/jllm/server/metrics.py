@@ -104,6 +104,16 @@ class Metrics:
                    [("", store_stats["bytes"])])
             metric("jllm_kv_cache_max_bytes", "gauge", "Size cap of the persistent KV cache.",
                    [("", store_stats["max_bytes"])])
+            shared = store_stats.get("shared")     # the Redis tier (--kv-store), shared with other replicas
+            if shared is not None:
+                metric("jllm_kv_shared_up", "gauge", "Whether the shared KV tier (Redis) answered.",
+                       [("", int(shared["reachable"]))])
+                metric("jllm_kv_shared_entries", "gauge", "Entries in the shared KV tier (all replicas).",
+                       [("", shared["count"])])
+                metric("jllm_kv_shared_bytes", "gauge", "Bytes of the shared KV tier's entries (all replicas).",
+                       [("", shared["bytes"])])
+                metric("jllm_kv_shared_max_bytes", "gauge", "Size cap of the shared KV tier.",
+                       [("", shared["max_bytes"])])
         metric("jllm_queue_depth", "gauge", "Requests waiting for the engine.", [("", queue_depth)])
         metric("jllm_requests_running", "gauge", "Requests generating (0 or 1).", [("", running)])
         return "\n".join(lines) + "\n"
