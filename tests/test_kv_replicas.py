@@ -1,0 +1,96 @@
+"""Two `jllm serve` replicas on one Redis (live uvicorn servers on loopback, the official `openai` client, a
+tiny synthetic model): turn 2 on the replica that never saw turn 1 reuses turn 1's state from the shared
+tier and answers exactly as a recomputation, with the first replica stopped; Redis killed mid-test, replies
+keep coming."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import uvicorn
+from openai import OpenAI
+from synthetic import write_tiny_model
+
+from jllm.engine import Engine
+from jllm.sampling import SamplingParams
+from jllm.server import create_app
+from redis_server import RedisServer, require_redis
+
+pytestmark = pytest.mark.usefixtures("native_kernels")
+CTX, N = 1024, 16
+
+
+def serve(engine: Engine) -> SimpleNamespace:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, "tiny"), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+
+    def stop():
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+    return SimpleNamespace(client=OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60), stop=stop,
+                           engine=engine)
+
+
+@pytest.fixture
+def replicas(tmp_path, monkeypatch):
+    require_redis()
+    monkeypatch.setenv("JLLM_CONVERTED_DIR", str(tmp_path / "converted"))
+    path = tmp_path / "tiny.gguf"
+    write_tiny_model(path, "qwen2", seed=10)
+    redis = RedisServer(tmp_path).start()
+    engines = [Engine(str(path), ctx_size=CTX, threads=1, kv_store_dir=str(tmp_path / name), kv_store_url=redis.url)
+               for name in ("a", "b")]
+    servers = [serve(e) for e in engines]
+    ref = Engine(str(path), ctx_size=CTX, threads=1)                # no store: the oracle
+    yield SimpleNamespace(a=servers[0], b=servers[1], ref=ref, redis=redis)
+    for s in servers:
+        s.stop()
+    redis.stop()
+
+
+def chat(replica, messages, conv):
+    r = replica.client.chat.completions.create(model="tiny", messages=messages, max_tokens=N, temperature=0,
+                                               extra_body={"prompt_cache_key": conv})
+    return r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens
+
+
+def expected(ref: Engine, messages) -> str:
+    return ref.generate(ref.chat_ids(messages), SamplingParams(max_tokens=N)).text
+
+
+def test_turn_two_on_the_other_replica_reuses_turn_one(replicas):
+    turn1 = [{"role": "user", "content": "tell me about caches and replicas " * 12}]
+    text1, cached1 = chat(replicas.a, turn1, "conv1")
+    assert cached1 == 0 and text1 == expected(replicas.ref, turn1)
+    replicas.a.engine.wait_saves()
+    replicas.a.stop()                                # A is gone: only Redis remembers turn 1
+    turn2 = turn1 + [{"role": "assistant", "content": text1}, {"role": "user", "content": "and then?"}]
+    text2, cached2 = chat(replicas.b, turn2, "conv1")
+    assert cached2 > len(replicas.ref.chat_ids(turn1)) // 2
+    assert text2 == expected(replicas.ref, turn2)
+
+
+def test_replies_keep_coming_with_redis_killed(replicas):
+    turn1 = [{"role": "user", "content": "a question about outages " * 12}]
+    text1, _ = chat(replicas.a, turn1, "conv2")
+    replicas.a.engine.wait_saves()
+    replicas.redis.stop()
+    turn2 = turn1 + [{"role": "assistant", "content": text1}, {"role": "user", "content": "still there?"}]
+    text2, cached2 = chat(replicas.b, turn2, "conv2")      # B never saw turn 1 and Redis is gone: recomputed
+    assert cached2 == 0 and text2 == expected(replicas.ref, turn2)
+    text3, cached3 = chat(replicas.a, turn2, "conv2")      # A has turn 1 in memory and on its disk
+    assert cached3 > 0 and text3 == text2
+    assert replicas.b.engine.kv_store.stats()["shared"]["reachable"] is False
