@@ -160,6 +160,18 @@ def test_a_bad_head_is_dropped(server):
     assert not r.keys("jllm:kv:*c:*") and t.stats()["bytes"] == 0
 
 
+def test_another_format_version_is_a_miss_left_in_place(server):
+    warned = []
+    t = tier(server, warn=warned.append)
+    t.save("c", state(range(600)))
+    r = server.client()
+    meta = bytearray(r.hget("jllm:kv:e:c", "meta"))
+    meta[8:12] = (2).to_bytes(4, "little")
+    r.hset("jllm:kv:e:c", "meta", bytes(meta))
+    assert t.lookup(list(range(600)), "c") == (None, 0) and t.load("c", 600) is None
+    assert len(warned) == 1 and "format version 2" in warned[0] and r.exists("jllm:kv:e:c")
+
+
 def test_redis_down_then_back(server):
     warned = []
     t = tier(server, warn=warned.append, retry_s=0.5)

@@ -32,8 +32,8 @@ common prefix is confirmed from the stored token ids. A prefix shorter than one 
 the conversation's own id. `load` reads the head and the chunks of the generation it names; a chunk that
 vanished because the entry was replaced meanwhile is a miss; a chunk missing otherwise, a payload failing its
 sha256 or a head that does not parse is reported once and the entry is dropped (deleted); an entry written
-for other models is never used and left alone (a replica of those models owns it; a save under the same
-name replaces it).
+for other models, or in another format version, is never used and left alone (a replica of those models or
+that jllm owns it; a save under the same name replaces it).
 
 Capacity is jllm's own accounting (`size`, `lru`, eviction in Lua), not Redis `maxmemory`: a shared Redis
 may hold other applications' keys, which an LRU policy of the whole server would evict too, and jllm's cap
@@ -264,7 +264,12 @@ class RedisTier:
             self.warn(message)
 
     def _bad(self, name: str, gen: bytes, bad: BadEntry) -> None:
-        """Drop a bad entry (unless it was replaced meanwhile) and report it once."""
+        """Drop a bad entry (unless it was replaced meanwhile) and report it once; one of another format
+        version is only a miss (a replica of another jllm version, mid-upgrade, owns it)."""
+        if bad.kind == "version":
+            self._report((name, gen), f"shared KV entry {name} in {self.where} {bad}; left for the jllm that "
+                                      f"wrote it, the prompt is evaluated from scratch")
+            return
         dropped = self._drop_if(args=[self.prefix, name, gen])
         self._report((name, gen), f"shared KV entry {name} in {self.where} {bad}; "
                                   f"{'dropped it' if dropped else 'it was replaced meanwhile'}, "
