@@ -652,6 +652,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="persistent KV cache: second-turn prompt evaluation with and without the cache")
     b.add_argument("--conversations", type=int, default=3, help="conversations for --multiturn")
     b.add_argument("--first-tokens", type=int, default=1500, help="tokens in the first message (--multiturn)")
+    b.add_argument("--kv-store", default=None, metavar="URL", help="--multiturn: also a shared-tier row, turn 2 "
+                   "on a fresh replica (an empty cache dir) that loads turn 1 from this Redis")
     b.set_defaults(func=cmd_bench)
 
     t = sub.add_parser("train-head", add_help=False, prefix_chars="\0",
