@@ -24,6 +24,13 @@ pytestmark = pytest.mark.usefixtures("native_kernels")
 CTX, N = 1024, 16
 
 
+def shared_bytes(redis) -> int:
+    """What jllm's entries hold in Redis: every chunk and every head under the default prefix."""
+    r = redis.client()
+    return sum(r.strlen(k) for k in r.keys("jllm:kv:c:*")) + sum(len(r.hget(k, "meta") or b"")
+                                                                 for k in r.keys("jllm:kv:e:*"))
+
+
 def serve(engine: Engine) -> SimpleNamespace:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -45,14 +52,15 @@ def serve(engine: Engine) -> SimpleNamespace:
 
 
 @pytest.fixture
-def replicas(tmp_path, monkeypatch):
+def replicas(tmp_path, monkeypatch, request):
     require_redis()
     monkeypatch.setenv("JLLM_CONVERTED_DIR", str(tmp_path / "converted"))
     path = tmp_path / "tiny.gguf"
     write_tiny_model(path, "qwen2", seed=10)
     redis = RedisServer(tmp_path).start()
-    engines = [Engine(str(path), ctx_size=CTX, threads=1, kv_store_dir=str(tmp_path / name), kv_store_url=redis.url)
-               for name in ("a", "b")]
+    cap = getattr(request, "param", 4 << 30)          # the shared tier's cap
+    engines = [Engine(str(path), ctx_size=CTX, threads=1, kv_store_dir=str(tmp_path / name), kv_store_url=redis.url,
+                      kv_store_shared_bytes=cap) for name in ("a", "b")]
     servers = [serve(e) for e in engines]
     ref = Engine(str(path), ctx_size=CTX, threads=1)                # no store: the oracle
     yield SimpleNamespace(a=servers[0], b=servers[1], ref=ref, redis=redis)
@@ -94,3 +102,46 @@ def test_replies_keep_coming_with_redis_killed(replicas):
     text3, cached3 = chat(replicas.a, turn2, "conv2")      # A has turn 1 in memory and on its disk
     assert cached3 > 0 and text3 == text2
     assert replicas.b.engine.kv_store.stats()["shared"]["reachable"] is False
+
+
+@pytest.mark.parametrize("replicas", [512 << 10], indirect=True)   # ~7 conversations' worth: evictions
+def test_load_two_replicas_many_clients_within_the_cap(replicas):
+    """4 clients x 6 two-turn conversations, turn 1 on one replica and turn 2 on the other: every reply
+    comes, every turn 2 equals its recomputation (no cross-talk), the shared tier never exceeds its cap."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cap, peak, done = 512 << 10, [0], threading.Event()
+    r = replicas.redis.client()
+
+    def watch():
+        while not done.is_set():
+            peak[0] = max(peak[0], shared_bytes(replicas.redis))
+            time.sleep(0.01)
+
+    def client(k):
+        out = []
+        for j in range(6):
+            conv = f"load-{k}-{j}"
+            turn1 = [{"role": "user", "content": f"client {k} asks question {j} " * 10}]
+            first, second = (replicas.a, replicas.b) if (k + j) % 2 else (replicas.b, replicas.a)
+            text1, _ = chat(first, turn1, conv)
+            deadline = time.monotonic() + 5           # turn 2 after turn 1's state is in Redis (or evicted)
+            while not r.exists(f"jllm:kv:e:{conv}") and time.monotonic() < deadline:
+                time.sleep(0.01)
+            turn2 = turn1 + [{"role": "assistant", "content": text1}, {"role": "user", "content": f"more {j}?"}]
+            out.append((turn1, text1, turn2, *chat(second, turn2, conv)))
+        return out
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    with ThreadPoolExecutor(4) as pool:
+        results = [r for rs in pool.map(client, range(4)) for r in rs]
+    done.set()
+    watcher.join()
+    assert len(results) == 24
+    for turn1, text1, turn2, text2, cached in results:
+        assert text1 == expected(replicas.ref, turn1) and text2 == expected(replicas.ref, turn2)
+    assert sum(cached > 0 for *_, cached in results) >= 8             # a small cap: many still hydrate
+    stats = replicas.a.engine.kv_store.stats()["shared"]
+    assert 0 < peak[0] <= cap and stats["bytes"] <= cap and stats["bytes"] == shared_bytes(replicas.redis)
+    assert stats["count"] < 24                                        # the cap evicted some
