@@ -9,7 +9,8 @@ that several model pairs, or other applications, share one Redis without cross-t
 
     e:<name>            hash  gen, n (chunk count), meta (the head's bytes), blocks (its prefix hashes), bytes
     c:<name>:<gen>:<i>  string chunk i of that generation's payload
-    idx                 hash  prefix hash -> entry name (the last entry written with that prefix)
+    idx                 hash  prefix hash -> entry name (the last entry written with that prefix; when
+                              that entry goes, the prefix is indexed again by the next write sharing it)
     lru                 zset  member -> last use (Redis server time, us, strictly increasing)
     size                hash  member -> bytes (head + payload)
     total, clock        strings: the sum of `size`, the last `lru` score given
