@@ -143,7 +143,7 @@ class Engine:
             if draft_loading is not None:
                 draft_loading.result()
         if head_gguf is not None:                   # the head shares the target's embedding (and output)
-            self.head = Eagle3Head.load(head_gguf, self.model, max_tokens=ctx_size)
+            self.head = Eagle3Head.load(head_gguf, self.model, checked=True, max_tokens=ctx_size)
         self.target = Sequence(self.model, ctx_size, capture=self.head.target_layers if self.head else None)
         if self.head is not None:
             self.draft_proposer = HeadProposer(self.head, self.target)

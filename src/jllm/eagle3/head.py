@@ -89,14 +89,18 @@ class Eagle3Head:
                 pass
 
     @classmethod
-    def load(cls, path: str | os.PathLike | GGUFFile, target: Transformer, **kw) -> Eagle3Head:
-        """Read, validate and check the head against the target (JllmError in one line), then build it."""
+    def load(cls, path: str | os.PathLike | GGUFFile, target: Transformer, checked: bool = False,
+             **kw) -> Eagle3Head:
+        """Read, validate and check the head against the target (JllmError in one line), then build it.
+        checked: the caller has run format.check_target on this file and target already (the engine does,
+        before the target's weights load), so it is not run twice."""
         gguf = path if isinstance(path, GGUFFile) else read_gguf(path)
         cfg = fmt.read_head_config(gguf)
         target_gguf = getattr(target, "gguf", None)
         if target_gguf is None:
             raise JllmError("an eagle3 head needs its target loaded from a GGUF file (load_model)")
-        fmt.check_target(cfg, gguf, target.cfg, target_gguf, fmt.read_d2t(gguf))
+        if not checked:
+            fmt.check_target(cfg, gguf, target.cfg, target_gguf, fmt.read_d2t(gguf))
         if not cfg.draft_vocab:
             from dataclasses import replace
 
