@@ -146,6 +146,30 @@ def test_two_turns_reuse_the_persistent_kv_cache(srv):
     assert r2.choices[0].message.content == reference(srv, turn2, 16)
 
 
+def test_prompt_cache_key_from_a_header(srv):
+    """`X-Prompt-Cache-Key` (what a proxy can route on) names the entry as the body's field does; the body's
+    field wins when both are sent; a bad header value is a 400 like a bad field."""
+    turn1 = user("caches behind a proxy " * 12)
+    r1 = srv.client.chat.completions.create(model="tiny", messages=turn1, max_tokens=8, temperature=0,
+                                            extra_headers={"X-Prompt-Cache-Key": "hdr1"})
+    srv.engine.wait_saves()
+    assert (srv.kv / "hdr1.kv").is_file()
+    srv.client.chat.completions.create(model="tiny", messages=user("something else again"), max_tokens=4,
+                                       temperature=0)
+    turn2 = turn1 + [{"role": "assistant", "content": r1.choices[0].message.content}, *user("and then?")]
+    r2 = srv.client.chat.completions.create(model="tiny", messages=turn2, max_tokens=8, temperature=0,
+                                            extra_headers={"X-Prompt-Cache-Key": "hdr1"})
+    assert r2.usage.prompt_tokens_details.cached_tokens >= r1.usage.prompt_tokens
+    assert r2.choices[0].message.content == reference(srv, turn2, 8)
+    srv.client.chat.completions.create(model="tiny", messages=user("both ways " * 8), max_tokens=4, temperature=0,
+                                       extra_headers={"X-Prompt-Cache-Key": "hdr-loses"},
+                                       extra_body={"prompt_cache_key": "body-wins"})
+    srv.engine.wait_saves()
+    assert (srv.kv / "body-wins.kv").is_file() and not (srv.kv / "hdr-loses.kv").exists()
+    bad = srv.http.post(CHAT, json=OK, headers={"X-Prompt-Cache-Key": "../etc/passwd"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_cache_key"
+
+
 def test_completions(srv):
     r = srv.client.completions.create(model="tiny", prompt="Hello world", max_tokens=20, temperature=0)
     want = srv.ref.generate(srv.ref.encode("Hello world"), SamplingParams(max_tokens=20))

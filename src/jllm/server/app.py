@@ -9,7 +9,9 @@
 Requests are answered one at a time by the worker thread (worker.py), in arrival order; a handler waits for
 its job's events on an asyncio queue, and a client that disconnects cancels its job (checked between
 tokens). Every request renders its own messages: conversations share nothing but the engine's prefix reuse,
-which is exact. `prompt_cache_key` names the conversation's entry in the persistent KV cache.
+which is exact. `prompt_cache_key` names the conversation's entry in the persistent KV cache; a request may
+send it as the header `X-Prompt-Cache-Key` instead (a proxy can route on a header, not on a JSON body's field),
+and the body's field wins when both are there.
 
 Responses follow OpenAI's shapes, with `usage.prompt_tokens_details.cached_tokens` (prompt tokens reused
 from a KV cache) and two extra fields: `timings` (queue, prompt and decode times and speeds) and, when
@@ -42,6 +44,7 @@ from jllm.server.worker import ContextTooLong, Job, Worker
 
 log = logging.getLogger("jllm.server")
 
+CACHE_KEY_HEADER = "x-prompt-cache-key"   # prompt_cache_key as a header, for proxies that route by it
 POLL_S = 0.25               # how often a waiting handler checks that its client is still there
 
 
@@ -247,7 +250,9 @@ def create_app(engine, model_name: str, api_key: str | None = None, aliases: Ite
             raise APIError(404, f"model {name!r} is not served here; this server serves {model_name!r}",
                            param="model", code="model_not_found")
 
-    def conversation(key: str | None) -> str | None:
+    def conversation(key: str | None, request: Request) -> str | None:
+        if key is None:
+            key = request.headers.get(CACHE_KEY_HEADER)
         if key is None:
             return None
         try:
@@ -262,7 +267,7 @@ def create_app(engine, model_name: str, api_key: str | None = None, aliases: Ite
         except JllmError as e:
             raise APIError(400, str(e)) from None
         pending = _Pending(request)
-        pending.job = Job(make_ids, params, conversation(req.prompt_cache_key), pending.emit)
+        pending.job = Job(make_ids, params, conversation(req.prompt_cache_key, request), pending.emit)
         worker.submit(pending.job)
         reply = _Reply(chat, model_name)
         prompt_field = "messages" if chat else "prompt"
