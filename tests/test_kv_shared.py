@@ -222,6 +222,27 @@ def test_password_and_urls(tmp_path):
         RedisTier("redis://127.0.0.1:1/0").lookup([1], "../x")
 
 
+def test_tls_with_a_password(tmp_path):
+    """rediss:// against a TLS-only redis-server: entries round-trip; a client that does not trust the
+    server's certificate gets misses and one warning, never a traceback."""
+    require_redis()
+    server = RedisServer(tmp_path, password="s3cret", tls=True).start()
+    try:
+        t = tier(server)
+        s = state(range(500), draft=True)
+        assert t.save("c", s) == "c" and same(t.load("c", 500), s)
+        assert t.lookup(list(range(500)), "other") == ("c", 500)
+        warned = []
+        untrusted = RedisTier(server.url.split("?")[0], target_fingerprint=FP, warn=warned.append)
+        assert untrusted.lookup(list(range(500)), "c") == (None, 0) and untrusted.load("c", 500) is None
+        assert len(warned) == 1 and "s3cret" not in warned[0]
+        plain = RedisTier(server.url.replace("rediss://", "redis://").split("?")[0], target_fingerprint=FP,
+                          warn=warned.append)
+        assert plain.save("d", state(range(10))) is None and len(warned) == 2
+    finally:
+        server.stop()
+
+
 def test_concurrent_writers_leave_one_whole_entry(server):
     writers = [tier(server), tier(server)]
     reader = tier(server)
