@@ -45,6 +45,11 @@ replicated one), not Redis Cluster.
 Faults: Redis unreachable (down at start, killed mid-run, a wrong password) makes every call a miss or a
 no-op with one warning per outage; after `retry_s` seconds a later call tries again, so the tier comes back
 by itself, with no thread of its own. URLs: redis://[:PASSWORD@]HOST:PORT/DB, rediss:// (TLS), unix://.
+
+Limits: the tier shares KV states, not message histories: `jllm chat --conversation ID` on another machine
+finds the state but not the turns it covers (a server's clients send the history, so serve is unaffected).
+A save reaches Redis on the engine's background save thread after the local file, so a slow Redis lengthens
+that save, which the next turn waits for.
 """
 
 from __future__ import annotations
