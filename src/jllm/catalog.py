@@ -160,11 +160,7 @@ def _bundled(spec: ModelSpec) -> Path:
                         "(reinstall jllm)") from None
     key = (str(path), st.st_size, st.st_mtime_ns)
     if key not in _checked:
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            while chunk := f.read(_CHUNK):
-                digest.update(chunk)
-        _checked[key] = digest.hexdigest() == spec.sha256.lower()
+        _checked[key] = _file_sha256(path) == spec.sha256.lower()
     if not _checked[key]:
         raise JllmError(f"{spec.alias}: {path} does not match its sha256 {spec.sha256[:12]}… (a damaged or "
                         "partial copy: reinstall jllm)")
@@ -297,14 +293,18 @@ def _adopt(spec: ModelSpec, final: Path) -> bool:
     """A file in place without a valid sidecar: keep it (and write the sidecar) if its hash is right."""
     if spec.size is not None and final.stat().st_size != spec.size:
         return False
-    digest = hashlib.sha256()
-    with open(final, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    if digest.hexdigest() != spec.sha256.lower():
+    if _file_sha256(final) != spec.sha256.lower():
         return False
     _write_sidecar(spec, final)
     return True
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 @contextmanager
