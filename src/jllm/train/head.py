@@ -92,6 +92,16 @@ def collate(conv: data_mod.Conversations, idx: list[int], max_len: int, pad: int
     return ids.to(device), lengths.to(device), starts.to(device)
 
 
+def target_pass(target: Target, head: Eagle3Head, ids, lengths, d2t):
+    """What the head learns from, for a batch: the target's layer inputs [B, T, 3 Dt], its logits over the
+    draft vocabulary [B, T, Vd] and its top token over the whole vocabulary [B, T] (the full logits freed)."""
+    feats, logits = target.features(ids, lengths, head.c.target_layers)
+    top = logits.argmax(-1)
+    tl = logits[..., d2t]
+    del logits
+    return feats, tl, top
+
+
 def new_head(target: Target, d2t: np.ndarray, ffn: int | None, layers=None) -> Eagle3Head:
     c = HeadConfig.for_target(target.cfg, len(d2t), ffn, layers)
     head = Eagle3Head(c, target.embedding)
@@ -125,10 +135,7 @@ def train(target: Target, head: Eagle3Head, conv: data_mod.Conversations, tc: Tr
             rng.shuffle(order)
         ids, lengths, starts = collate(conv, batches[order.pop()], tc.max_len, pad, dev)
         t0 = time.perf_counter()
-        feats, logits = target.features(ids, lengths, head.c.target_layers)   # [B, T, 3 Dt], [B, T, V]
-        top = logits.argmax(-1)
-        tl = logits[..., d2t]
-        del logits
+        feats, tl, top = target_pass(target, head, ids, lengths, d2t)
         if dev.type == "cuda":
             torch.cuda.synchronize()
         t1 = time.perf_counter()
@@ -172,10 +179,7 @@ def evaluate(target: Target, head: Eagle3Head, conv, batches, tc: TrainConfig, p
     count = 0
     for idx in batches:
         ids, lengths, starts = collate(conv, idx, tc.max_len, pad, target.device)
-        feats, logits = target.features(ids, lengths, head.c.target_layers)
-        top = logits.argmax(-1)
-        tl = logits[..., d2t]
-        del logits
+        feats, tl, top = target_pass(target, head, ids, lengths, d2t)
         with autocast:
             _, _, accs = head.ttt(feats, ids, lengths, starts, tl, top, tc.ttt, tc.decay)
         n = int(((torch.arange(ids.shape[1], device=ids.device)[None, :] + 2 < lengths[:, None]) &
