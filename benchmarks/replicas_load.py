@@ -22,10 +22,8 @@ fails. Every process started is stopped at the end, also on errors.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -40,16 +38,10 @@ sys.path[:0] = [str(REPO / "src"), str(REPO / "tests"), str(REPO / "benchmarks")
 from openai import OpenAI  # noqa: E402
 
 from jllm.cli import parse_size  # noqa: E402
-from redis_server import RedisServer  # noqa: E402
-from replicas_proxy import free_port, stop, wait_http  # noqa: E402
+from redis_server import jllm_entry_bytes  # noqa: E402
+from replicas import start_replicas  # noqa: E402
 
 PREFIX = "jllm:kv:"
-
-
-def entry_bytes(rc) -> int:
-    """What jllm's entries hold in Redis: every chunk and every head under the default prefix."""
-    return (sum(rc.strlen(k) for k in rc.scan_iter(f"{PREFIX}c:*", count=1000))
-            + sum(len(rc.hget(k, "meta") or b"") for k in rc.scan_iter(f"{PREFIX}e:*", count=1000)))
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -74,32 +66,11 @@ def main() -> int:
 
     with ExitStack() as stack:
         d = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="jllm-replicas-load-")))
-        os.environ["JLLM_CONVERTED_DIR"] = str(d / "converted")
-        from synthetic import write_tiny_model
-
         from jllm.engine import Engine
         from jllm.sampling import SamplingParams
 
-        model = d / "tiny.gguf"
-        write_tiny_model(model, "qwen2", seed=10)
-        redis = RedisServer(d).start()
-        stack.callback(redis.stop)
-        rc = redis.client()
-
-        env = {k: v for k, v in os.environ.items() if not k.startswith("JLLM_") or k == "JLLM_KERNELS_DIR"}
-        env["JLLM_CONVERTED_DIR"] = str(d / "converted")
-        ports, procs = {}, {}
-        for name in ("A", "B"):
-            ports[name] = free_port()
-            log = d / f"replica-{name}.log"
-            procs[name] = subprocess.Popen(
-                ["jllm", "serve", "-m", str(model), "--port", str(ports[name]), "-c", "1024", "-t", "1",
-                 "--cache-dir", str(d / f"kv-{name}"), "--kv-store", redis.url, "--kv-store-size", str(cap)],
-                env=env, cwd=d, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
-            stack.callback(stop, procs[name])
-        for name in ("A", "B"):
-            wait_http(f"http://127.0.0.1:{ports[name]}/health", procs[name], f"replica {name}",
-                      d / f"replica-{name}.log")
+        reps = start_replicas(stack, d, ["-c", "1024", "-t", "1", "--kv-store-size", str(cap)])
+        model, rc, ports = reps.model, reps.rc, reps.ports
         clients = {n: OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
                    for n, port in ports.items()}
 
@@ -161,12 +132,12 @@ def main() -> int:
         # the last turn 2s' saves are still on the replicas' background threads: sample until total settles
         settle = time.monotonic() + 15
         while time.monotonic() < settle and (any(b"/" in m for m in rc.zrange(f"{PREFIX}lru", 0, -1))
-                                             or int(rc.get(f"{PREFIX}total") or 0) != entry_bytes(rc)):
+                                             or int(rc.get(f"{PREFIX}total") or 0) != jllm_entry_bytes(rc, PREFIX)):
             time.sleep(a.sample_s)
         done.set()
         sampler.join()
         final_total = int(rc.get(f"{PREFIX}total") or 0)
-        final_bytes = entry_bytes(rc)
+        final_bytes = jllm_entry_bytes(rc, PREFIX)
         final_entries = sum(1 for _ in rc.scan_iter(f"{PREFIX}e:*", count=1000))
 
         # the oracle: a no-cache engine in this process, after the load (so it does not take the replicas' CPU)

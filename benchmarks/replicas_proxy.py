@@ -34,12 +34,12 @@ from contextlib import ExitStack
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "src"), str(REPO / "tests")]
+sys.path[:0] = [str(REPO / "src"), str(REPO / "tests"), str(REPO / "benchmarks")]
 
 import httpx  # noqa: E402
 from openai import OpenAI  # noqa: E402
 
-from redis_server import RedisServer  # noqa: E402
+from replicas import free_port, start_replicas, stop  # noqa: E402
 
 NGINX_CONF = """\
 daemon off;
@@ -76,35 +76,6 @@ http {{
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_http(url: str, proc: subprocess.Popen, what: str, log: Path, timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"{what} did not come up: {log.read_text()[-1500:]}")
-        time.sleep(0.1)
-
-
-def stop(proc: subprocess.Popen, sig=signal.SIGINT) -> None:
-    if proc.poll() is None:
-        proc.send_signal(sig)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-
-
 def completions(port: int) -> float:
     for line in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text.splitlines():
         if line.startswith("jllm_completions_total "):
@@ -124,33 +95,11 @@ def main() -> int:
 
     with ExitStack() as stack:
         d = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="jllm-replicas-")))
-        os.environ["JLLM_CONVERTED_DIR"] = str(d / "converted")
-        from synthetic import write_tiny_model
-
         from jllm.engine import Engine
         from jllm.sampling import SamplingParams
 
-        model = d / "tiny.gguf"
-        write_tiny_model(model, "qwen2", seed=10)
-        redis = RedisServer(d).start()
-        stack.callback(redis.stop)
-        rc = redis.client()
-
-        env = {k: v for k, v in os.environ.items() if not k.startswith("JLLM_") or k == "JLLM_KERNELS_DIR"}
-        env["JLLM_CONVERTED_DIR"] = str(d / "converted")
-        ports = {}
-        procs = {}
-        for name in ("A", "B"):
-            ports[name] = free_port()
-            log = d / f"replica-{name}.log"
-            procs[name] = subprocess.Popen(
-                ["jllm", "serve", "-m", str(model), "--port", str(ports[name]), "-c", "4096", "-t", "1",
-                 "--cache-dir", str(d / f"kv-{name}"), "--kv-store", redis.url],
-                env=env, cwd=d, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
-            stack.callback(stop, procs[name])
-        for name in ("A", "B"):
-            wait_http(f"http://127.0.0.1:{ports[name]}/health", procs[name], f"replica {name}",
-                      d / f"replica-{name}.log")
+        reps = start_replicas(stack, d, ["-c", "4096", "-t", "1"])
+        model, rc, ports = reps.model, reps.rc, reps.ports
         by_addr = {f"127.0.0.1:{port}": name for name, port in ports.items()}
 
         proxy_port = free_port()

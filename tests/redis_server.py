@@ -28,6 +28,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def jllm_entry_bytes(client, prefix: str = "jllm:kv:") -> int:
+    """What jllm's entries hold in a Redis: every chunk and every head under `prefix` (cache/shared.py's keys),
+    to check the shared tier's own accounting against."""
+    return (sum(client.strlen(k) for k in client.scan_iter(f"{prefix}c:*", count=1000))
+            + sum(len(client.hget(k, "meta") or b"") for k in client.scan_iter(f"{prefix}e:*", count=1000)))
+
+
 class RedisServer:
     def __init__(self, directory: Path, password: str | None = None, tls: bool = False):
         """tls: serve TLS only, with a self-signed certificate for 127.0.0.1 made by openssl (the test

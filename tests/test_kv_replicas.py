@@ -5,50 +5,28 @@ keep coming."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from types import SimpleNamespace
 
 import pytest
-import uvicorn
 from openai import OpenAI
 from synthetic import write_tiny_model
 
 from jllm.engine import Engine
 from jllm.sampling import SamplingParams
 from jllm.server import create_app
-from redis_server import RedisServer, require_redis
+from live_server import serve_app
+from redis_server import RedisServer, jllm_entry_bytes, require_redis
 
 pytestmark = pytest.mark.usefixtures("native_kernels")
 CTX, N = 1024, 16
 
 
-def shared_bytes(redis) -> int:
-    """What jllm's entries hold in Redis: every chunk and every head under the default prefix."""
-    r = redis.client()
-    return sum(r.strlen(k) for k in r.keys("jllm:kv:c:*")) + sum(len(r.hget(k, "meta") or b"")
-                                                                 for k in r.keys("jllm:kv:e:*"))
-
-
 def serve(engine: Engine) -> SimpleNamespace:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, "tiny"), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
-
-    def stop():
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
-    return SimpleNamespace(client=OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60), stop=stop,
-                           engine=engine)
+    live = serve_app(create_app(engine, "tiny"))
+    return SimpleNamespace(client=OpenAI(base_url=f"{live.base}/v1", api_key="none", max_retries=0, timeout=60),
+                           stop=live.stop, engine=engine)
 
 
 @pytest.fixture
@@ -115,7 +93,7 @@ def test_load_two_replicas_many_clients_within_the_cap(replicas):
 
     def watch():
         while not done.is_set():
-            peak[0] = max(peak[0], shared_bytes(replicas.redis))
+            peak[0] = max(peak[0], jllm_entry_bytes(replicas.redis.client()))
             time.sleep(0.01)
 
     def client(k):
@@ -143,5 +121,5 @@ def test_load_two_replicas_many_clients_within_the_cap(replicas):
         assert text1 == expected(replicas.ref, turn1) and text2 == expected(replicas.ref, turn2)
     assert sum(cached > 0 for *_, cached in results) >= 8             # a small cap: many still hydrate
     stats = replicas.a.engine.kv_store.stats()["shared"]
-    assert 0 < peak[0] <= cap and stats["bytes"] <= cap and stats["bytes"] == shared_bytes(replicas.redis)
+    assert 0 < peak[0] <= cap and stats["bytes"] <= cap and stats["bytes"] == jllm_entry_bytes(replicas.redis.client())
     assert stats["count"] < 24                                        # the cap evicted some
