@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
@@ -19,7 +18,7 @@ from types import SimpleNamespace
 import httpx
 import openai
 import pytest
-import uvicorn
+from live_server import serve_app
 from openai import OpenAI
 from synthetic import write_tiny_model
 
@@ -42,25 +41,13 @@ def srv(tmp_path_factory):
         mp.setenv("JLLM_CONVERTED_DIR", str(d / "converted"))
         eng = Engine(str(path), ctx_size=CTX, threads=1, kv_store_dir=str(d / "kv"), spec=SpecConfig(mode="ngram"))
         ref = Engine(str(path), ctx_size=CTX, threads=1)     # plain decoding, no store: the oracle
-        app = create_app(eng, "tiny", api_key=KEY, aliases=["tiny-alias"])
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.02)
-        base = f"http://127.0.0.1:{port}"
+        live = serve_app(create_app(eng, "tiny", api_key=KEY, aliases=["tiny-alias"]))
+        base = live.base
         yield SimpleNamespace(base=base, path=path, kv=d / "kv", engine=eng, ref=ref, converted=d / "converted",
                               client=OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=60),
                               http=httpx.Client(base_url=base, headers={"Authorization": f"Bearer {KEY}"},
                                                 timeout=60))
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
+        live.stop()
 
 
 def user(text: str) -> list[dict]:
