@@ -289,6 +289,46 @@ def test_writing_then_derived_then_back_translation_rounds(target):
     assert all(p.startswith("Write ") for p in data_mod.writing_prompts(5, __import__("random").Random(0)))
 
 
+def test_follow_up_round_continues_the_first_conversations(target):
+    """With follow_share 1, every finished first-round reply gets a second user turn: the prompt is the
+    template's rendering of (user, the target's reply, a follow-up), and its reply is trained on as source 4."""
+    tg, _, _ = target
+    tok = tg.tokenizer
+    eot = min(tok.eot_ids)
+
+    class Scripted:
+        tokenizer, template, path = tg.tokenizer, tg.template, tg.path
+        seen: list[list[int]] = []
+
+        def generate(self, prompts, max_new, sample, **kw):
+            self.seen += prompts
+            n = len(self.seen)
+            # every third reply runs out of tokens: not finished, so it gets no second turn
+            return [tok.encode(f" answer {n + i} " + "text " * 10)[:max_new - 1] + ([] if (n + i) % 3 else [eot])
+                    for i, _ in enumerate(prompts)]
+
+    sc = Scripted()
+    conv = data_mod.generate(sc, 0, 0, max_new=40, batch=4, n_writing=12, follow_share=1.0, seed=3,
+                             log=lambda s: None)
+    first = [(conv.ids(i)[:conv.reply_start[i]].tolist(), conv.ids(i)[conv.reply_start[i]:].tolist())
+             for i in range(len(conv)) if conv.source[i] == 2]
+    finished = [(p, r) for p, r in first if r[-1] == eot]
+    follows = [conv.ids(i)[:conv.reply_start[i]].tolist() for i in range(len(conv)) if conv.source[i] == 4]
+    assert 0 < len(finished) < len(first) and len(follows) == len(finished)
+    for p, r in finished:
+        user = tok.decode(p, skip_special=False).split("Write ", 1)[1].split(".", 1)[0]
+        reply = tok.decode(r[:-1], skip_special=False).strip()
+        match = [f for f in follows if f"Write {user}." in tok.decode(f, skip_special=False)
+                 and reply in tok.decode(f, skip_special=False)]
+        assert match, (user, reply)
+        text = tok.decode(match[0], skip_special=False)
+        wants = {tg.template.render([{"role": "user", "content": f"Write {user}."},
+                                     {"role": "assistant", "content": reply},
+                                     {"role": "user", "content": f.format(human=h)}], add_generation_prompt=True)
+                 for f in data_mod.FOLLOW_UPS for h in data_mod.HUMAN_LANGUAGES}
+        assert text in wants
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_batched_decoder_matches_generate_for_llama_and_qwen3(tmp_path, arch):
     """The other training targets: llama (its Q/K rows un-permuted at load) and qwen3 (per-head q/k norms)."""

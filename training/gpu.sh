@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The head's training run on a lent GPU machine (the device tool), one phase per call; run from the repo root.
-# The target arrives in 57 MiB pieces (split -b 57M -d -a 2 TARGET.gguf .xfer/p), one per call, because a call
+# The target arrives in 54 MiB pieces (split -b 54M -d -a 2 TARGET.gguf .xfer/p: p00-p19), one per call: a call
 # carries at most 64 MiB with the working tree; files in /tmp/m stay while the machine is warm. The tracked
 # tree travels with every call, the shipped head (src/jllm/heads/, 40 MiB) with it: move the head out of the
 # tree while the pieces travel (`git checkout src/jllm/heads` puts it back), or the pieces must be smaller.

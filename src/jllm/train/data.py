@@ -36,7 +36,7 @@ import numpy as np
 from jllm.errors import JllmError
 
 FORMAT_VERSION = 1
-SOURCES = ("magpie", "package", "writing", "derived")
+SOURCES = ("magpie", "package", "writing", "derived", "follow-up")
 _SENTINEL = "\x00USER\x00"
 
 CODE_TASKS = (
@@ -90,6 +90,24 @@ PROSE_TASKS = (
     "Explain the main idea of this text to a child:\n\n{text}",
 )
 BACK_TASK = "Translate this text into English:\n\n{text}"
+# a second user turn after the target's first reply: chat is several turns, and the second one reads its own
+# earlier answer
+FOLLOW_UPS = (
+    "Can you make that shorter?",
+    "Explain the last part in more detail.",
+    "Give me another example.",
+    "Summarize your answer in three bullet points.",
+    "Write that again in {human}.",
+    "What could go wrong with this, and how would I notice?",
+    "Explain it again for someone who has never programmed.",
+    "Thanks. Can you add comments to the code?",
+    "Is there a simpler way to do this?",
+    "Why is that better than the obvious alternative?",
+    "Now write a short test for it.",
+    "Turn your answer into a step-by-step checklist.",
+    "Rewrite your answer in a more formal tone.",
+    "What are the main trade-offs here?",
+)
 
 
 @dataclass
@@ -232,6 +250,28 @@ def add_typos(text: str, rng: random.Random, rate: float = 0.04) -> str:
     return " ".join(words)
 
 
+def follow_up_prompts(template, tokenizer, rows, rng: random.Random, share: float, sources=(0, 1, 2),
+                      first: int = 0) -> list[list[int]]:
+    """For about `share` of the finished replies of `sources` (rows[first:]), the ids of the conversation
+    continued by a second user turn (FOLLOW_UPS), ready for the target's second reply."""
+    head, _, tail = template.render([{"role": "user", "content": _SENTINEL}],
+                                    add_generation_prompt=True).partition(_SENTINEL)
+    out = []
+    for p, r, s, _ in rows[first:]:
+        if s not in sources or not r or r[-1] not in tokenizer.eot_ids or rng.random() >= share:
+            continue
+        text = tokenizer.decode(p, skip_special=False)
+        if not (text.startswith(head) and text.endswith(tail)):
+            continue                                    # not a one-turn prompt of this template
+        user = text[len(head):len(text) - len(tail)]
+        reply = tokenizer.decode(r[:-1], skip_special=False).strip()
+        follow = rng.choice(FOLLOW_UPS).format(human=rng.choice(HUMAN_LANGUAGES))
+        out.append(tokenizer.encode(template.render(
+            [{"role": "user", "content": user}, {"role": "assistant", "content": reply},
+             {"role": "user", "content": follow}], add_generation_prompt=True)))
+    return out
+
+
 def derived_prompts(texts: list[str], rng: random.Random, back: bool = False) -> list[str]:
     """A prose task over each text the target wrote (PROSE_TASKS), or with `back`, its translation back
     into English."""
@@ -302,10 +342,11 @@ def _finished_texts(rows, tok, source: int, first: int = 0, min_tokens: int = 60
 def generate(target, n_magpie: int, n_package: int, max_new: int = 512, batch: int = 32,
              user_max_new: int = 128, sampled_frac: float = 0.5, max_prompt: int = 1024, seed: int = 0,
              files: list[Path] | None = None, log=print, time_limit: float | None = None,
-             n_writing: int = 0) -> Conversations:
+             n_writing: int = 0, follow_share: float = 0.0) -> Conversations:
     """Self-distilled conversations: the prompts of every source, the target's replies to them. In three
-    rounds: magpie, package and writing prompts; then the derived tasks over the finished writing replies;
-    then the derived translations back into English. A time_limit (seconds for the replies) gives the
+    rounds: magpie, package and writing prompts; then the derived tasks over the finished writing replies and,
+    for `follow_share` of the first round's finished replies, a second user turn (FOLLOW_UPS); then the
+    derived translations back into English. A time_limit (seconds for the replies) gives the
     rounds 60, 28 and 12 % of it (the whole of it without writing); within a round batches of like lengths
     run in a random order, so a cut keeps a sample of every source, length and mode."""
     rng = random.Random(seed)
@@ -320,15 +361,18 @@ def generate(target, n_magpie: int, n_package: int, max_new: int = 512, batch: i
         ids = [(chat_prompt(tpl, tok, u), s) for u, s in texts_sources]
         return [(p, s, rng.random() < sampled_frac) for p, s in ids if len(p) <= max_prompt]
 
-    share = (0.6, 0.88, 1.0) if n_writing else (1.0, 1.0, 1.0)
+    two_rounds = n_writing or follow_share > 0
+    share = (0.6, 0.88, 1.0) if two_rounds else (1.0, 1.0, 1.0)
     deadline = (lambda f: None) if time_limit is None else (lambda f: t1 + f * time_limit)
     rows: list = []
     done = _replies(target, prompts_of(users), batch, max_new, rng, seed, deadline(share[0]), log, t1, rows)
-    if n_writing:
+    if two_rounds:
         first = len(rows)
         texts = _finished_texts(rows, tok, 2)
-        done &= _replies(target, prompts_of([(u, 3) for u in derived_prompts(texts, rng)]), batch, max_new, rng,
-                         seed, deadline(share[1]), log, t1, rows)
+        second = prompts_of([(u, 3) for u in derived_prompts(texts, rng)])
+        second += [(p, 4, rng.random() < sampled_frac) for p in follow_up_prompts(tpl, tok, rows, rng, follow_share)
+                   if len(p) <= max_prompt]
+        done &= _replies(target, second, batch, max_new, rng, seed, deadline(share[1]), log, t1, rows)
         is_translation = lambda p: "Translate this text into " in tok.decode(p, skip_special=False)  # noqa: E731
         texts = _finished_texts(rows, tok, 3, first, want=is_translation)
         done &= _replies(target, prompts_of([(u, 3) for u in derived_prompts(texts, rng, back=True)]), batch,
