@@ -61,6 +61,10 @@ constexpr int kPrefetchL2 = JLLM_PREFETCH_L2;   // and far ahead (T1), when kFar
 #ifndef JLLM_FAR_ROWS
 #define JLLM_FAR_ROWS 3
 #endif
+#ifndef JLLM_L1_ROWS
+#define JLLM_L1_ROWS 1
+#endif
+constexpr int kL1Rows = JLLM_L1_ROWS;     // the L1 prefetch from this many rows (AVX-512 tiles)
 constexpr int kFarRows = JLLM_FAR_ROWS;
 
 #if defined(JLLM_GFNI) && defined(__AVX512F__)
@@ -330,14 +334,14 @@ inline void tile_rows(const uint8_t* w, int64_t nb, int64_t per_super, const int
             in_super = per_super - 1;
         }
         iv ia[R];
-        // With several rows, ask for the weights a few blocks ahead into L1 (kPrefetch, 4 KiB), so memory
-        // streams while this block computes, and much further ahead into L2 (kPrefetchL2) from kFarRows rows:
-        // the compute per block is then long enough to starve the stream. One row is left to the hardware
-        // prefetcher, which follows a single stream better; for two rows the far prefetch costs more than it
-        // brings. Measured distances and row counts: BENCHMARKS.md, "Prefetch distance for several rows" and
-        // "A forward pass in one native call". (AVX2: the second half's pass reads what the first brought
-        // into cache.)
-        if constexpr (R >= 2) {
+        // Ask for the weights a few blocks ahead into L1 (kPrefetch, 4 KiB), so memory streams while this block
+        // computes, and much further ahead into L2 (kPrefetchL2) from kFarRows rows: the compute per block is
+        // then long enough to starve the stream. For two rows the far prefetch costs more than it brings. One
+        // row was once left to the hardware prefetcher alone; on a later Zen 4 host that made a one-row pass
+        // 1.4x slower than a two-row one (-DJLLM_L1_ROWS=2 restores it). Measured distances and row counts:
+        // BENCHMARKS.md, "Prefetch distance for several rows" and "Prefetch for one row". (AVX2: the second
+        // half's pass reads what the first brought into cache.)
+        if constexpr (R >= kL1Rows) {
             if (lane0 == 0)
                 for (int l = 0; l < lines; ++l) _mm_prefetch((const char*)p + kPrefetch + 64 * l, _MM_HINT_T0);
         }
