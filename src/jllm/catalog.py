@@ -75,7 +75,7 @@ def _numbered(package: str, version: str, path: str, count: int) -> tuple[tuple[
 
 
 # the shipped head (src/jllm/heads/), made as training/README.md says
-HEAD_SHA256 = "ff7070bac0df8d59bfeec1988f6db5a62b29979dbda582388301f04a7394022c"
+HEAD_SHA256 = "efd01ab9c2af8fefdb8ecbabb25973323b9127b28b72b1e64a31bf49c8fce3ad"
 HEAD_SIZE = 42_206_272
 
 ALIASES: dict[str, ModelSpec] = {
