@@ -289,6 +289,32 @@ def test_writing_then_derived_then_back_translation_rounds(target):
     assert all(p.startswith("Write ") for p in data_mod.writing_prompts(5, __import__("random").Random(0)))
 
 
+def test_questions_are_a_source_and_their_answers_get_prose_tasks(target):
+    """Questions on how things work (source 5) are asked in the first round; each finished answer comes back
+    in the second round with a prose task (source 3), as the writing replies do."""
+    tg, _, _ = target
+    tok = tg.tokenizer
+    eot = min(tok.eot_ids)
+
+    class Scripted:
+        tokenizer, template, path = tg.tokenizer, tg.template, tg.path
+        seen: list[str] = []
+
+        def generate(self, prompts, max_new, sample, **kw):
+            self.seen += [tok.decode(p, skip_special=False) for p in prompts]
+            return [tok.encode(f" answer {len(self.seen)} " + "fact " * 70)[:max_new - 1] + [eot] for p in prompts]
+
+    sc = Scripted()
+    conv = data_mod.generate(sc, 0, 0, max_new=120, batch=8, n_questions=16, seed=5, log=lambda s: None)
+    src = conv.source.tolist()
+    assert src.count(5) == 16 and src.count(2) == 0
+    first = sc.seen[:16]
+    assert all(any(t in p for t in data_mod.QUESTION_TOPICS) for p in first)
+    assert len({p for p in first}) > 8                                 # forms x topics, not one question
+    derived = [conv.ids(i) for i in range(len(conv)) if conv.source[i] == 3]
+    assert len(derived) >= 16 and all("fact fact" in tok.decode(d, skip_special=False) for d in derived)
+
+
 def test_follow_up_round_continues_the_first_conversations(target):
     """With follow_share 1, every finished first-round reply gets a second user turn: the prompt is the
     template's rendering of (user, the target's reply, a follow-up), and its reply is trained on as source 4."""

@@ -36,7 +36,7 @@ import numpy as np
 from jllm.errors import JllmError
 
 FORMAT_VERSION = 1
-SOURCES = ("magpie", "package", "writing", "derived", "follow-up")
+SOURCES = ("magpie", "package", "writing", "derived", "follow-up", "question")
 _SENTINEL = "\x00USER\x00"
 
 CODE_TASKS = (
@@ -76,6 +76,23 @@ WRITING_TOPICS = ("a lighthouse keeper", "a city after heavy rain", "learning to
                   "a new vaccine", "the invention of printing", "a river that changed its course",
                   "a late delivery", "a hiking accident", "a neighbourhood festival", "a forgotten password",
                   "a jazz concert", "renewable energy in a small town", "a kitchen fire", "an island ferry")
+# questions about how things work, beyond code: a coder model's Magpie turns are mostly about programming
+QUESTION_FORMS = ("Explain {t}.", "How does {t} work? Explain it simply.", "Can you explain {t} to a high-school "
+                  "student?", "What is {t}, and why does it matter?", "Give me an overview of {t}, with an example.",
+                  "What are the most common misconceptions about {t}?")
+QUESTION_TOPICS = ("photosynthesis", "compound interest", "the way GPS finds a position", "garbage collection",
+                   "the legislative process in a parliament", "plate tectonics", "the water cycle",
+                   "how a compiler turns source code into machine code", "inflation", "DNS resolution",
+                   "an electric motor", "the colours of autumn leaves", "supply and demand",
+                   "the causes of the First World War", "a database index", "noise-cancelling headphones",
+                   "the greenhouse effect", "how a bicycle stays upright", "the tides", "the Roman Republic",
+                   "a REST API", "how a neural network learns", "entropy", "sourdough fermentation",
+                   "a CPU cache", "branches in version control", "credit scores", "the placebo effect",
+                   "black holes", "a heat pump", "the printing press's effect on Europe", "the stock market",
+                   "a solar panel", "lazy evaluation", "the theory of evolution", "a blockchain",
+                   "how airplanes fly", "memory leaks", "the Industrial Revolution", "interest rates",
+                   "containers and virtual machines", "the human heart", "floating-point numbers",
+                   "carbon dating", "a load balancer", "the Silk Road", "unit testing", "earthquakes")
 PROSE_TASKS = (
     "Summarize this text in a few sentences:\n\n{text}",
     "Summarize the following in one paragraph:\n\n{text}",
@@ -87,6 +104,7 @@ PROSE_TASKS = (
     "Fix the spelling and grammar mistakes in this text:\n\n{typos}",
     "Translate this text into {human}:\n\n{text}",
     "Translate this text into {human}:\n\n{text}",
+    "Translate the following into {human}, keeping its formatting:\n\n{text}",
     "Explain the main idea of this text to a child:\n\n{text}",
 )
 BACK_TASK = "Translate this text into English:\n\n{text}"
@@ -240,6 +258,11 @@ def writing_prompts(n: int, rng: random.Random) -> list[str]:
     return [f"Write {rng.choice(WRITING_KINDS)} about {rng.choice(WRITING_TOPICS)}." for _ in range(n)]
 
 
+def question_prompts(n: int, rng: random.Random) -> list[str]:
+    """n questions on how something works (QUESTION_FORMS x QUESTION_TOPICS)."""
+    return [rng.choice(QUESTION_FORMS).format(t=rng.choice(QUESTION_TOPICS)) for _ in range(n)]
+
+
 def add_typos(text: str, rng: random.Random, rate: float = 0.04) -> str:
     """The text with about `rate` of its words misspelt: two letters swapped, one dropped or doubled."""
     words = text.split(" ")
@@ -250,7 +273,7 @@ def add_typos(text: str, rng: random.Random, rate: float = 0.04) -> str:
     return " ".join(words)
 
 
-def follow_up_prompts(template, tokenizer, rows, rng: random.Random, share: float, sources=(0, 1, 2),
+def follow_up_prompts(template, tokenizer, rows, rng: random.Random, share: float, sources=(0, 1, 2, 5),
                       first: int = 0) -> list[list[int]]:
     """For about `share` of the finished replies of `sources` (rows[first:]), the ids of the conversation
     continued by a second user turn (FOLLOW_UPS), ready for the target's second reply."""
@@ -342,9 +365,10 @@ def _finished_texts(rows, tok, source: int, first: int = 0, min_tokens: int = 60
 def generate(target, n_magpie: int, n_package: int, max_new: int = 512, batch: int = 32,
              user_max_new: int = 128, sampled_frac: float = 0.5, max_prompt: int = 1024, seed: int = 0,
              files: list[Path] | None = None, log=print, time_limit: float | None = None,
-             n_writing: int = 0, follow_share: float = 0.0) -> Conversations:
+             n_writing: int = 0, follow_share: float = 0.0, n_questions: int = 0) -> Conversations:
     """Self-distilled conversations: the prompts of every source, the target's replies to them. In three
-    rounds: magpie, package and writing prompts; then the derived tasks over the finished writing replies and,
+    rounds: magpie, package, writing and question prompts; then the derived tasks over the finished writing
+    and question replies and,
     for `follow_share` of the first round's finished replies, a second user turn (FOLLOW_UPS); then the
     derived translations back into English. A time_limit (seconds for the replies) gives the
     rounds 60, 28 and 12 % of it (the whole of it without writing); within a round batches of like lengths
@@ -356,24 +380,26 @@ def generate(target, n_magpie: int, n_package: int, max_new: int = 512, batch: i
     t1 = time.perf_counter()
     users += [(u, 1) for u in package_prompts(n_package, rng, files)] if n_package else []
     users += [(u, 2) for u in writing_prompts(n_writing, rng)]
+    users += [(u, 5) for u in question_prompts(n_questions, rng)]
 
     def prompts_of(texts_sources):
         ids = [(chat_prompt(tpl, tok, u), s) for u, s in texts_sources]
         return [(p, s, rng.random() < sampled_frac) for p, s in ids if len(p) <= max_prompt]
 
-    two_rounds = n_writing or follow_share > 0
+    two_rounds = n_writing or n_questions or follow_share > 0
     share = (0.6, 0.88, 1.0) if two_rounds else (1.0, 1.0, 1.0)
     deadline = (lambda f: None) if time_limit is None else (lambda f: t1 + f * time_limit)
     rows: list = []
     done = _replies(target, prompts_of(users), batch, max_new, rng, seed, deadline(share[0]), log, t1, rows)
     if two_rounds:
         first = len(rows)
-        texts = _finished_texts(rows, tok, 2)
+        texts = _finished_texts(rows, tok, 2) + _finished_texts(rows, tok, 5)
         second = prompts_of([(u, 3) for u in derived_prompts(texts, rng)])
         second += [(p, 4, rng.random() < sampled_frac) for p in follow_up_prompts(tpl, tok, rows, rng, follow_share)
                    if len(p) <= max_prompt]
         done &= _replies(target, second, batch, max_new, rng, seed, deadline(share[1]), log, t1, rows)
-        is_translation = lambda p: "Translate this text into " in tok.decode(p, skip_special=False)  # noqa: E731
+        is_translation = lambda p: any(t in tok.decode(p, skip_special=False)  # noqa: E731
+                                       for t in ("Translate this text into ", "Translate the following into "))
         texts = _finished_texts(rows, tok, 3, first, want=is_translation)
         done &= _replies(target, prompts_of([(u, 3) for u in derived_prompts(texts, rng, back=True)]), batch,
                          max_new, rng, seed, deadline(share[2]), log, t1, rows)
