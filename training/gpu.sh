@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The head's training run on a lent GPU machine (the device tool), one phase per call; run from the repo root.
-# The target arrives in 54 MiB pieces (split -b 54M -d -a 2 TARGET.gguf .xfer/p: p00-p19), one per call: a call
-# carries at most 64 MiB with the working tree; files in /tmp/m stay while the machine is warm. The tracked
-# tree travels with every call, the shipped head (src/jllm/heads/, 40 MiB) with it: move the head out of the
-# tree while the pieces travel (`git checkout src/jllm/heads` puts it back), or the pieces must be smaller.
+# The target arrives in pieces, one per call: a call carries at most 64 MiB with the working tree, and the
+# tracked tree without the shipped head (src/jllm/heads/, 40 MiB) is ~21 MiB with the training data, so move the
+# head out while the pieces travel (`git checkout src/jllm/heads` puts it back) and cut 40 MiB pieces:
+# split -b 40M -d -a 2 TARGET.gguf .xfer/p (p00-p27). Files in /tmp/m stay while the machine is warm.
 #   recv NN                 keep piece .xfer/pNN
 #   setup SHA256            join the pieces, check the sum, install the carried gguf wheel (.whl/)
 #   start GEN_S STEPS PROCS [TRAIN ARGS...]
