@@ -280,6 +280,8 @@ def test_writing_then_derived_then_back_translation_rounds(target):
     assert src.count(2) == 24 and src.count(3) > 24                   # every writing reply got a task
     back = [p for p in sc.seen if "Translate this text into English:" in p]
     assert back and all("reply " in p for p in back)                  # ... translations came back
+    asked = [p for p in sc.seen if "Translate this text into " in p or "Translate the following into " in p]
+    assert len(back) == len(asked) - len(back)                        # every translation task, both forms
     derived = [p for p in sc.seen[24:] if p not in back]
     assert len(derived) == 24 and all("word word" in p for p in derived)
     typos = data_mod.add_typos("the quick brown foxes jumped over lazy sleeping dogs " * 20,

@@ -117,14 +117,16 @@ FOLLOW_UPS = (
     "Summarize your answer in three bullet points.",
     "Write that again in {human}.",
     "What could go wrong with this, and how would I notice?",
-    "Explain it again for someone who has never programmed.",
-    "Thanks. Can you add comments to the code?",
     "Is there a simpler way to do this?",
     "Why is that better than the obvious alternative?",
-    "Now write a short test for it.",
     "Turn your answer into a step-by-step checklist.",
     "Rewrite your answer in a more formal tone.",
     "What are the main trade-offs here?",
+)
+CODE_FOLLOW_UPS = (       # only after a reply about code (the package source)
+    "Explain it again for someone who has never programmed.",
+    "Thanks. Can you add comments to the code?",
+    "Now write a short test for it.",
 )
 
 
@@ -283,12 +285,15 @@ def follow_up_prompts(template, tokenizer, rows, rng: random.Random, share: floa
     for p, r, s, _ in rows[first:]:
         if s not in sources or not r or r[-1] not in tokenizer.eot_ids or rng.random() >= share:
             continue
+        if any(tokenizer.is_special(t) for t in r[:-1]):
+            continue                                    # decoded and encoded again, it would become markup
         text = tokenizer.decode(p, skip_special=False)
         if not (text.startswith(head) and text.endswith(tail)):
             continue                                    # not a one-turn prompt of this template
         user = text[len(head):len(text) - len(tail)]
         reply = tokenizer.decode(r[:-1], skip_special=False).strip()
-        follow = rng.choice(FOLLOW_UPS).format(human=rng.choice(HUMAN_LANGUAGES))
+        follow = rng.choice(FOLLOW_UPS + (CODE_FOLLOW_UPS if s == 1 else ())).format(
+            human=rng.choice(HUMAN_LANGUAGES))
         out.append(tokenizer.encode(template.render(
             [{"role": "user", "content": user}, {"role": "assistant", "content": reply},
              {"role": "user", "content": follow}], add_generation_prompt=True)))
@@ -357,7 +362,8 @@ def _finished_texts(rows, tok, source: int, first: int = 0, min_tokens: int = 60
     """The texts of the replies of `source` (rows[first:]) that ended their turn and are long enough."""
     out = []
     for p, r, s, _ in rows[first:]:
-        if s == source and len(r) >= min_tokens and r[-1] in tok.eot_ids and (want is None or want(p)):
+        if s == source and len(r) >= min_tokens and r[-1] in tok.eot_ids and (want is None or want(p)) \
+                and not any(tok.is_special(t) for t in r[:-1]):
             out.append(tok.decode(r[:-1], skip_special=False).strip())
     return out
 
@@ -368,11 +374,11 @@ def generate(target, n_magpie: int, n_package: int, max_new: int = 512, batch: i
              n_writing: int = 0, follow_share: float = 0.0, n_questions: int = 0) -> Conversations:
     """Self-distilled conversations: the prompts of every source, the target's replies to them. In three
     rounds: magpie, package, writing and question prompts; then the derived tasks over the finished writing
-    and question replies and,
-    for `follow_share` of the first round's finished replies, a second user turn (FOLLOW_UPS); then the
-    derived translations back into English. A time_limit (seconds for the replies) gives the
-    rounds 60, 28 and 12 % of it (the whole of it without writing); within a round batches of like lengths
-    run in a random order, so a cut keeps a sample of every source, length and mode."""
+    and question replies and, for `follow_share` of the first round's finished replies, a second user turn
+    (FOLLOW_UPS); then the derived translations back into English. A time_limit (seconds for the replies)
+    gives the rounds 60, 28 and 12 % of it (80 and 20 % with follow-ups alone, all of it to the first round
+    with neither); within a round batches of like lengths run in a random order, so a cut keeps a sample of
+    every source, length and mode."""
     rng = random.Random(seed)
     tok, tpl = target.tokenizer, target.template
     t0 = time.perf_counter()
@@ -387,7 +393,9 @@ def generate(target, n_magpie: int, n_package: int, max_new: int = 512, batch: i
         return [(p, s, rng.random() < sampled_frac) for p, s in ids if len(p) <= max_prompt]
 
     two_rounds = n_writing or n_questions or follow_share > 0
-    share = (0.6, 0.88, 1.0) if two_rounds else (1.0, 1.0, 1.0)
+    # the time limit's share of each round by the rounds that run: derived tasks and translations back need
+    # writing or questions; follow-ups alone make a second round of about a third of the first's size
+    share = (0.6, 0.88, 1.0) if n_writing or n_questions else (0.8, 1.0, 1.0) if two_rounds else (1.0, 1.0, 1.0)
     deadline = (lambda f: None) if time_limit is None else (lambda f: t1 + f * time_limit)
     rows: list = []
     done = _replies(target, prompts_of(users), batch, max_new, rng, seed, deadline(share[0]), log, t1, rows)
