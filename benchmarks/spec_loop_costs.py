@@ -2,7 +2,7 @@
 same run: every `--every`-th corpus prompt decoded plain and then speculatively (as `jllm bench --spec` does),
 each target forward pass of up to 12 tokens timed. These are the V(k) to replay the corpus with
 (`spec_sim.py sim --V`): they include what the loop does to the target's passes (the draft's steps between
-them), which the context-300 passes of `jllm bench` do not. Then where each mode's decode time went: target
+them), which the context-300 passes of `jllm bench` do not; `-md` a draft model or an EAGLE-3 head. Then where each mode's decode time went: target
 passes, draft passes, and the rest (sampling, drafting logic, cache bookkeeping, Python).
 
     python benchmarks/spec_loop_costs.py [--every 3] [-n 128]
@@ -51,7 +51,7 @@ def main() -> None:
         model.forward = timed
 
     timing(eng.model, "target")
-    timing(eng.draft.model, "draft")
+    timing(eng.draft.model if eng.draft is not None else eng.head, "draft")     # a draft model, or a head
     params = SamplingParams(max_tokens=a.n)
     for item in load_corpus()[::a.every]:
         ids = eng.chat_ids(item["messages"])
