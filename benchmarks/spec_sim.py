@@ -402,6 +402,30 @@ def bound(a) -> None:
                 tokens += t
                 cost += c
         print(f"d={d:.2f} foresight bound {tokens / cost:.3f}x")
+    if a.head:
+        vocab_share(rows, a.head)
+
+
+def vocab_share(rows, head_path: str) -> None:
+    """The share of the target's output tokens outside a head's draft vocabulary (d2t), per category: tokens
+    the head can never draft, however it is trained."""
+    from jllm.catalog import resolve
+    from jllm.eagle3.format import read_d2t
+    from jllm.gguf.reader import read_gguf
+
+    d2t = read_d2t(read_gguf(str(resolve(head_path))))
+    if d2t is None:
+        print(f"{head_path}: scores the whole vocabulary")
+        return
+    vocab = set(d2t.tolist())
+    cats: dict[str, list[int]] = {}
+    for r in rows:
+        c = cats.setdefault(r["category"], [0, 0])
+        c[0] += len(r["out"])
+        c[1] += sum(t not in vocab for t in r["out"])
+    n, m = sum(c[0] for c in cats.values()), sum(c[1] for c in cats.values())
+    print(f"output tokens outside the draft vocabulary of {len(vocab)}: " + " ".join(
+        f"{k[:5]}:{c[1] / c[0]:.3f}" for k, c in sorted(cats.items())) + f" ALL:{m / n:.3f}")
 
 
 def main() -> None:
@@ -421,6 +445,8 @@ def main() -> None:
         p.add_argument("--d0", type=float, default=0.27, help="variant: the unchanged draft's step cost")
         p.add_argument("--skips", default="", help="variant: ;-separated lists of draft layers to drop")
         p.add_argument("--keeps", default="1,0.5,0.4,0.3,0.2", help="variant: shares of MLP channels kept")
+        p.add_argument("--head", default=None, help="bound: also the share of output tokens outside this "
+                       "head's draft vocabulary")
     a = ap.parse_args()
     {"trace": trace, "costs": costs, "sim": sim, "variant": variant, "bound": bound}[a.cmd](a)
 
