@@ -29,8 +29,10 @@ from kernel_variants import load_sources
 
 def build_rev(rev: str):
     """REV's kernel module, loadable beside the working tree's (kernel_variants.load_sources)."""
-    texts = {f.name: subprocess.run(["git", "show", f"{rev}:jllm/kernels/{f.name}"], check=True, capture_output=True,
-                                    text=True).stdout for f in kernels._SOURCES + kernels._HEADERS}
+    root = Path(subprocess.run(["git", "rev-parse", "--show-toplevel"], check=True, capture_output=True,
+                               text=True).stdout.strip())
+    texts = {f.name: subprocess.run(["git", "show", f"{rev}:{Path(f).resolve().relative_to(root)}"], check=True,
+                                    capture_output=True, text=True).stdout for f in kernels._SOURCES + kernels._HEADERS}
     return load_sources(texts, kernels._flags(), Path(tempfile.gettempdir()) / "jllm-kernels-rev", "jllm_rev_")
 
 
