@@ -259,6 +259,20 @@ def test_batched_decoder_matches_transformers_generate(target):
     assert a == tg.generate(prompts, 24, sample=True, temperature=1.5, seed=1) and a != want
 
 
+class Scripted:
+    """A stand-in target for the data rounds: `reply(n, max_new)` gives the ids of the n-th reply (n counts
+    every prompt seen so far, this one included); the prompts are kept decoded in `seen`."""
+
+    def __init__(self, tg, reply):
+        self.tokenizer, self.template, self.path = tg.tokenizer, tg.template, tg.path
+        self.reply, self.seen = reply, []
+
+    def generate(self, prompts, max_new, sample, **kw):
+        start = len(self.seen)
+        self.seen += [self.tokenizer.decode(p, skip_special=False) for p in prompts]
+        return [self.reply(start + i + 1, max_new) for i in range(len(prompts))]
+
+
 def test_writing_then_derived_then_back_translation_rounds(target):
     """The three rounds: writing prompts; prose tasks over the finished writing replies; translations of
     those back into English. A scripted target answers every prompt with a long, finished reply."""
@@ -266,15 +280,7 @@ def test_writing_then_derived_then_back_translation_rounds(target):
     tok = tg.tokenizer
     eot = min(tok.eot_ids)
 
-    class Scripted:
-        tokenizer, template, path = tg.tokenizer, tg.template, tg.path
-        seen: list[str] = []
-
-        def generate(self, prompts, max_new, sample, **kw):
-            self.seen += [tok.decode(p, skip_special=False) for p in prompts]
-            return [tok.encode(f" reply {len(self.seen)} " + "word " * 70)[:max_new - 1] + [eot] for p in prompts]
-
-    sc = Scripted()
+    sc = Scripted(tg, lambda n, m: tok.encode(f" reply {n} " + "word " * 70)[:m - 1] + [eot])
     conv = data_mod.generate(sc, 0, 0, max_new=120, batch=8, n_writing=24, seed=2, log=lambda s: None)
     src = conv.source.tolist()
     assert src.count(2) == 24 and src.count(3) > 24                   # every writing reply got a task
@@ -298,15 +304,7 @@ def test_questions_are_a_source_and_their_answers_get_prose_tasks(target):
     tok = tg.tokenizer
     eot = min(tok.eot_ids)
 
-    class Scripted:
-        tokenizer, template, path = tg.tokenizer, tg.template, tg.path
-        seen: list[str] = []
-
-        def generate(self, prompts, max_new, sample, **kw):
-            self.seen += [tok.decode(p, skip_special=False) for p in prompts]
-            return [tok.encode(f" answer {len(self.seen)} " + "fact " * 70)[:max_new - 1] + [eot] for p in prompts]
-
-    sc = Scripted()
+    sc = Scripted(tg, lambda n, m: tok.encode(f" answer {n} " + "fact " * 70)[:m - 1] + [eot])
     conv = data_mod.generate(sc, 0, 0, max_new=120, batch=8, n_questions=16, seed=5, log=lambda s: None)
     src = conv.source.tolist()
     assert src.count(5) == 16 and src.count(2) == 0
@@ -324,18 +322,8 @@ def test_follow_up_round_continues_the_first_conversations(target):
     tok = tg.tokenizer
     eot = min(tok.eot_ids)
 
-    class Scripted:
-        tokenizer, template, path = tg.tokenizer, tg.template, tg.path
-        seen: list[list[int]] = []
-
-        def generate(self, prompts, max_new, sample, **kw):
-            self.seen += prompts
-            n = len(self.seen)
-            # every third reply runs out of tokens: not finished, so it gets no second turn
-            return [tok.encode(f" answer {n + i} " + "text " * 10)[:max_new - 1] + ([] if (n + i) % 3 else [eot])
-                    for i, _ in enumerate(prompts)]
-
-    sc = Scripted()
+    # every third reply runs out of tokens: not finished, so it gets no second turn
+    sc = Scripted(tg, lambda n, m: tok.encode(f" answer {n} " + "text " * 10)[:m - 1] + ([] if n % 3 else [eot]))
     conv = data_mod.generate(sc, 0, 0, max_new=40, batch=4, n_writing=12, follow_share=1.0, seed=3,
                              log=lambda s: None)
     first = [(conv.ids(i)[:conv.reply_start[i]].tolist(), conv.ids(i)[conv.reply_start[i]:].tolist())

@@ -108,6 +108,7 @@ PROSE_TASKS = (
     "Explain the main idea of this text to a child:\n\n{text}",
 )
 BACK_TASK = "Translate this text into English:\n\n{text}"
+TRANSLATION_CUES = ("Translate this text into ", "Translate the following into ")   # PROSE_TASKS' translations
 # a second user turn after the target's first reply: chat is several turns, and the second one reads its own
 # earlier answer
 FOLLOW_UPS = (
@@ -192,13 +193,19 @@ class Conversations:
 # ---------------------------------------------------------------------------------------------- prompts
 
 
+def _around_user(template, add_generation_prompt: bool) -> tuple[str, str, str]:
+    """The template's rendering of one user message, split around where its text goes: (before, the text's
+    marker or "" where the template does not write the text as given, after)."""
+    return template.render([{"role": "user", "content": _SENTINEL}],
+                           add_generation_prompt=add_generation_prompt).partition(_SENTINEL)
+
+
 def user_prefix(template, tokenizer) -> list[int]:
     """The ids of the chat template rendered up to where a user message's text begins (Magpie)."""
-    text = template.render([{"role": "user", "content": _SENTINEL}], add_generation_prompt=False)
-    cut = text.find(_SENTINEL)
-    if cut < 0:
+    before, marker, _ = _around_user(template, False)
+    if not marker:
         raise JllmError(f"{template.origin} does not write the user's text as given; cannot make Magpie prompts")
-    return tokenizer.encode(text[:cut])
+    return tokenizer.encode(before)
 
 
 def chat_prompt(template, tokenizer, user_text: str) -> list[int]:
@@ -275,14 +282,13 @@ def add_typos(text: str, rng: random.Random, rate: float = 0.04) -> str:
     return " ".join(words)
 
 
-def follow_up_prompts(template, tokenizer, rows, rng: random.Random, share: float, sources=(0, 1, 2, 5),
-                      first: int = 0) -> list[list[int]]:
-    """For about `share` of the finished replies of `sources` (rows[first:]), the ids of the conversation
-    continued by a second user turn (FOLLOW_UPS), ready for the target's second reply."""
-    head, _, tail = template.render([{"role": "user", "content": _SENTINEL}],
-                                    add_generation_prompt=True).partition(_SENTINEL)
+def follow_up_prompts(template, tokenizer, rows, rng: random.Random, share: float,
+                      sources=(0, 1, 2, 5)) -> list[list[int]]:
+    """For about `share` of the finished replies of `sources`, the ids of the conversation continued by a
+    second user turn (FOLLOW_UPS), ready for the target's second reply."""
+    head, _, tail = _around_user(template, True)
     out = []
-    for p, r, s, _ in rows[first:]:
+    for p, r, s, _ in rows:
         if s not in sources or not r or r[-1] not in tokenizer.eot_ids or rng.random() >= share:
             continue
         if any(tokenizer.is_special(t) for t in r[:-1]):
@@ -392,10 +398,11 @@ def generate(target, n_magpie: int, n_package: int, max_new: int = 512, batch: i
         ids = [(chat_prompt(tpl, tok, u), s) for u, s in texts_sources]
         return [(p, s, rng.random() < sampled_frac) for p, s in ids if len(p) <= max_prompt]
 
-    two_rounds = n_writing or n_questions or follow_share > 0
-    # the time limit's share of each round by the rounds that run: derived tasks and translations back need
-    # writing or questions; follow-ups alone make a second round of about a third of the first's size
-    share = (0.6, 0.88, 1.0) if n_writing or n_questions else (0.8, 1.0, 1.0) if two_rounds else (1.0, 1.0, 1.0)
+    derives = bool(n_writing or n_questions)         # derived tasks, then their translations back
+    two_rounds = derives or follow_share > 0
+    # the time limit's share of each round by the rounds that run; follow-ups alone make a second round of
+    # about a third of the first's size
+    share = (0.6, 0.88, 1.0) if derives else (0.8, 1.0, 1.0) if two_rounds else (1.0, 1.0, 1.0)
     deadline = (lambda f: None) if time_limit is None else (lambda f: t1 + f * time_limit)
     rows: list = []
     done = _replies(target, prompts_of(users), batch, max_new, rng, seed, deadline(share[0]), log, t1, rows)
@@ -406,8 +413,7 @@ def generate(target, n_magpie: int, n_package: int, max_new: int = 512, batch: i
         second += [(p, 4, rng.random() < sampled_frac) for p in follow_up_prompts(tpl, tok, rows, rng, follow_share)
                    if len(p) <= max_prompt]
         done &= _replies(target, second, batch, max_new, rng, seed, deadline(share[1]), log, t1, rows)
-        is_translation = lambda p: any(t in tok.decode(p, skip_special=False)  # noqa: E731
-                                       for t in ("Translate this text into ", "Translate the following into "))
+        is_translation = lambda p: any(c in tok.decode(p, skip_special=False) for c in TRANSLATION_CUES)  # noqa: E731
         texts = _finished_texts(rows, tok, 3, first, want=is_translation)
         done &= _replies(target, prompts_of([(u, 3) for u in derived_prompts(texts, rng, back=True)]), batch,
                          max_new, rng, seed, deadline(share[2]), log, t1, rows)
