@@ -2,8 +2,9 @@
 same run: every `--every`-th corpus prompt decoded plain and then speculatively (as `jllm bench --spec` does),
 each target forward pass of up to 12 tokens timed. These are the V(k) to replay the corpus with
 (`spec_sim.py sim --V`): they include what the loop does to the target's passes (the draft's steps between
-them), which the context-300 passes of `jllm bench` do not; `-md` a draft model or an EAGLE-3 head. Then where each mode's decode time went: target
-passes, draft passes, and the rest (sampling, drafting logic, cache bookkeeping, Python).
+them), which the context-300 passes of `jllm bench` do not. Then where each mode's decode time went: target
+passes, draft passes, and the rest (sampling, drafting logic, cache bookkeeping, Python). `-md` names a draft
+model or an EAGLE-3 head.
 
     python benchmarks/spec_loop_costs.py [--every 3] [-n 128]
 """
