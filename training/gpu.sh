@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The head's training run on a lent GPU machine (the device tool), one phase per call; run from the repo root.
 # The target arrives in pieces, one per call: a call carries at most 64 MiB with the working tree, and the
-# tracked tree without the shipped head (src/jllm/heads/, 40 MiB) is ~21 MiB with the training data, so move the
-# head out while the pieces travel (`git checkout src/jllm/heads` puts it back) and cut 40 MiB pieces:
-# split -b 40M -d -a 2 TARGET.gguf .xfer/p (p00-p27). Files in /tmp/m stay while the machine is warm.
+# tracked tree without the shipped head (src/jllm/heads/, 40 MiB) is ~25 MiB with the training data, so move the
+# head out while the pieces travel (`git checkout src/jllm/heads` puts it back) and cut 38 MiB pieces:
+# split -b 38M -d -a 2 TARGET.gguf .xfer/p (p00-p26; each more MiB of data in the repo takes one from a piece).
+# Files in /tmp/m stay while the machine is warm: the next call must start < 30 s after one ends, the second
+# one too (the cold start's call is no exception).
 #   recv NN                 keep piece .xfer/pNN
 #   setup SHA256            join the pieces, check the sum, install the carried gguf wheel (.whl/)
 #   start GEN_S STEPS PROCS [TRAIN ARGS...]
@@ -21,8 +23,10 @@ case "$1" in
 recv)
     cp ".xfer/p$2" "$M/" && ls -l "$M/p$2" ;;
 setup)
-    cat "$M"/p?? > "$M/t.gguf" && rm -f "$M"/p??
-    echo "$2  $M/t.gguf" | sha256sum -c -
+    # the pieces stay until the sum is right: a piece lost with a machine that went cold is sent again
+    cat "$M"/p?? > "$M/t.gguf"
+    echo "$2  $M/t.gguf" | sha256sum -c - || { echo "pieces here: $(cd "$M" && ls p?? | paste -sd' ')" >&2; exit 1; }
+    rm -f "$M"/p??
     python3 -m pip install -q --no-deps --target "$M/site" .whl/gguf-*.whl
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv ;;
 start)

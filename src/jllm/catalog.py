@@ -75,7 +75,7 @@ def _numbered(package: str, version: str, path: str, count: int) -> tuple[tuple[
 
 
 # the shipped head (src/jllm/heads/), made as training/README.md says
-HEAD_SHA256 = "efd01ab9c2af8fefdb8ecbabb25973323b9127b28b72b1e64a31bf49c8fce3ad"
+HEAD_SHA256 = "483d4cd41d5b808627d7b53d424cdb9d7cd19eee08102fca10a1046b1816dba2"
 HEAD_SIZE = 42_206_272
 
 ALIASES: dict[str, ModelSpec] = {
