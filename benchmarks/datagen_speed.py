@@ -48,7 +48,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[128, 384])
     ap.add_argument("--prompt", type=int, default=512, help="prompt tokens per row")
     ap.add_argument("--new", type=int, default=256, help="reply tokens per row")
-    ap.add_argument("--hf-new", type=int, default=64, help="reply tokens per row for generate (slower)")
+    ap.add_argument("--hf-new", type=int, default=64, help="reply tokens per row for generate (slower; 0: skip it)")
     a = ap.parse_args()
     if a.model:
         from jllm.train.target import load_target
@@ -73,6 +73,8 @@ def main() -> None:
                   f"{n / s:>9.0f}")
         del dec
         torch.cuda.empty_cache()
+        if not a.hf_new:
+            continue
         ids = torch.tensor(prompts, device="cuda")
         out, s = timed(lambda: model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
                                               max_new_tokens=a.hf_new, min_new_tokens=a.hf_new,
