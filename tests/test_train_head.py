@@ -259,6 +259,33 @@ def test_batched_decoder_matches_transformers_generate(target):
     assert a == tg.generate(prompts, 24, sample=True, temperature=1.5, seed=1) and a != want
 
 
+def test_nucleus_within_top_k_equals_the_whole_sort():
+    """The data maker's nucleus filter: found among the k most probable tokens where they hold top_p, by a
+    sort of the whole row where they do not; either way the kept distribution is the whole sort's."""
+    from jllm.train.batched import nucleus
+
+    g = torch.Generator().manual_seed(0)
+    V, k = 300, 16
+    peaked = torch.softmax(torch.randn(4, V, generator=g) * 6, -1)        # nucleus inside the top 16
+    flat = torch.softmax(torch.randn(2, V, generator=g) * 0.1, -1)        # nucleus of ~90 % of the row
+    for probs, sorted_whole in ((peaked, False), (torch.cat([peaked, flat]), True)):
+        for top_p in (0.5, 0.9, 0.95):
+            p, idx = nucleus(probs, top_p, k)
+            assert p.shape[-1] == (V if sorted_whole else k)
+            got = torch.zeros_like(probs).scatter_(-1, idx, p)
+            ps, order = probs.sort(-1, descending=True)
+            want = torch.zeros_like(probs).scatter_(-1, order, ps * (ps.cumsum(-1) - ps < top_p))
+            assert torch.equal(got, want)
+            assert bool(((got > 0).sum(-1) >= 1).all())
+    # sampling through it draws only tokens of the nucleus, all of them in time
+    from jllm.train.batched import BatchedDecoder
+
+    logits = torch.log(peaked[:1]).repeat(4000, 1)
+    toks = BatchedDecoder._choose(logits, True, 1.0, 0.9, torch.Generator().manual_seed(1))
+    p, idx = nucleus(peaked[:1], 0.9, k)
+    assert set(toks.tolist()) == set(idx[0][p[0] > 0].tolist())
+
+
 class Scripted:
     """A stand-in target for the data rounds: `reply(n, max_new)` gives the ids of the n-th reply (n counts
     every prompt seen so far, this one included); the prompts are kept decoded in `seen`."""

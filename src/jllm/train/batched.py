@@ -193,8 +193,20 @@ class BatchedDecoder:
         if not sample:
             return logits.argmax(-1)
         probs = torch.softmax(logits.float() / temperature, dim=-1)
-        if top_p < 1.0:
-            p, idx = probs.sort(dim=-1, descending=True)
-            keep = p.cumsum(-1) - p < top_p                       # the smallest prefix reaching top_p
-            probs = torch.zeros_like(probs).scatter_(-1, idx, p * keep)
-        return torch.multinomial(probs, 1, generator=gen)[:, 0]
+        if top_p >= 1.0:
+            return torch.multinomial(probs, 1, generator=gen)[:, 0]
+        p, idx = nucleus(probs, top_p)
+        return idx.gather(-1, torch.multinomial(p, 1, generator=gen))[:, 0]
+
+
+def nucleus(probs: torch.Tensor, top_p: float, k: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """Nucleus (top-p) filtering of probs [B, V]: (p, idx) [B, K], each row's probabilities in descending order
+    with those past the smallest prefix reaching top_p zeroed, and their token ids. The prefix is looked for
+    among the k most probable tokens (one top-k, not a sort of the whole vocabulary); rows whose k most
+    probable tokens hold less than top_p are sorted whole, so the nucleus is the same either way (K = V then)."""
+    V = probs.shape[-1]
+    p, idx = probs.topk(min(k, V), dim=-1)
+    if k < V and not bool((p.sum(-1) >= top_p).all()):
+        p, idx = probs.sort(dim=-1, descending=True)
+    keep = p.cumsum(-1) - p < top_p                       # the smallest prefix reaching top_p
+    return p * keep, idx
