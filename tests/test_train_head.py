@@ -259,6 +259,28 @@ def test_batched_decoder_matches_transformers_generate(target):
     assert a == tg.generate(prompts, 24, sample=True, temperature=1.5, seed=1) and a != want
 
 
+def test_batched_decoder_refills_rows_as_replies_end(target, monkeypatch):
+    """More prompts than rows: a row whose reply has ended takes the next prompt, at its own slots, and every
+    reply is still `generate`'s, in the prompts' order, whatever the order the rows ended in."""
+    from jllm.train import batched
+
+    tg, _, _ = target
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(5, tg.cfg.vocab_size, size=n).tolist() for n in (3, 11, 7, 1, 16, 9, 2)]
+    want = tg.hf_generate(prompts, 20)
+    monkeypatch.setattr(batched, "REFILL", 3)
+    dec = batched.BatchedDecoder(tg.model, 2, 40)
+    assert dec.generate(prompts, 20, {-1}) == want
+    # stop tokens end replies at different steps, so rows are refilled at different times
+    stops = {want[0][4], want[2][2], want[5][9]}
+    cut = [next((r[:i + 1] for i, t in enumerate(r) if t in stops), r) for r in want]
+    assert sorted({len(r) for r in cut}) != [20]
+    assert dec.generate(prompts, 20, stops) == cut
+    assert dec.generate(prompts[:1], 20, stops) == cut[:1]          # fewer prompts than rows
+    with pytest.raises(ValueError, match="slots"):
+        dec.generate([[7] * 30], 20, stops)
+
+
 def test_nucleus_within_top_k_equals_the_whole_sort():
     """The data maker's nucleus filter: found among the k most probable tokens where they hold top_p, by a
     sort of the whole row where they do not; either way the kept distribution is the whole sort's."""

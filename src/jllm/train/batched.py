@@ -7,16 +7,21 @@ mostly waited on Python. Here the weights are the Hugging Face model's own tenso
 allocated once, [layers, batch, kv heads, prompt + max_new, head_dim]; a decode step is a fixed sequence of
 kernels, captured once as a CUDA graph and replayed (on the CPU it runs eagerly, the same code).
 
-Layout: prompts are left-padded to a common width W, so every row writes its step s at cache slot W + s;
-row b's RoPE position is slot - pad[b] and its keys valid from slot pad[b]. The model math is the Hugging
-Face Llama/Qwen2/Qwen3 decoder (rotate-halves RoPE, q/k biases where the model has them, Qwen3's per-head
-q/k norms); tests/test_train_head.py checks greedy output token for token against `generate`.
+Layout: each row has its own write slot slot[b] and first valid slot start[b]: a group of prompts prefilled
+together is left-padded to its width W (start = W - len), and its rows then write their steps at W, W + 1, ...
+Row b's RoPE position is slot[b] - start[b]. More prompts than rows stream through: every REFILL steps the
+rows whose reply ended hand it in and take the next prompts (prefilled together), so a batch does not run on
+part-empty until its longest reply ends. The model math is the Hugging Face Llama/Qwen2/Qwen3 decoder
+(rotate-halves RoPE, q/k biases where the model has them, Qwen3's per-head q/k norms);
+tests/test_train_head.py checks greedy output token for token against `generate`, with and without refills.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+REFILL = 16          # decode steps between looks at which rows have ended (each look waits for the GPU)
 
 
 class BatchedDecoder:
@@ -51,8 +56,8 @@ class BatchedDecoder:
         self.v_cache = torch.zeros_like(self.k_cache)
         # the step's inputs, fixed tensors so that a captured graph reads them
         self.tok = torch.zeros(batch, dtype=torch.long, device=self.dev)
-        self.slot = torch.zeros((), dtype=torch.long, device=self.dev)
-        self.pad = torch.zeros(batch, dtype=torch.long, device=self.dev)
+        self.slot = torch.zeros(batch, dtype=torch.long, device=self.dev)       # where row b writes its token
+        self.start = torch.zeros(batch, dtype=torch.long, device=self.dev)      # row b's first valid slot
         self.logits = None
         self.graph = None
 
@@ -90,24 +95,27 @@ class BatchedDecoder:
         return x
 
     def _step(self):
-        """One decode step for every row: token self.tok at cache slot self.slot -> self.logits [B, V]."""
+        """One decode step for every row: token tok[b] at cache slot slot[b] -> self.logits [B, V]."""
         slots = torch.arange(self.T, device=self.dev)
-        pos = (self.slot - self.pad)[:, None]                                  # [B, 1]
-        mask = ((slots[None, :] >= self.pad[:, None]) & (slots[None, :] <= self.slot))[:, None, None, :]
+        pos = (self.slot - self.start)[:, None]                                # [B, 1]
+        mask = ((slots[None, :] >= self.start[:, None]) & (slots[None, :] <= self.slot[:, None]))[:, None, None, :]
 
-        def write(li, k, v):
-            self.k_cache[li].index_copy_(2, self.slot[None], k)
-            self.v_cache[li].index_copy_(2, self.slot[None], v)
+        at = self.slot[:, None, None, None].expand(self.B, self.n_kv, 1, self.hd)
+
+        def write(li, k, v):                                                   # k, v [B, Hk, 1, hd]
+            self.k_cache[li].scatter_(2, at, k)
+            self.v_cache[li].scatter_(2, at, v)
             return self.k_cache[li], self.v_cache[li]
 
         x = self._layers(self.embed[self.tok][:, None, :], pos, write, mask)
         self.logits = F.linear(self._rms(x[:, 0], self.norm), self.lm_head)
 
     @torch.no_grad()
-    def _prefill(self, ids: torch.Tensor, rows: slice) -> torch.Tensor:
-        """Left-padded prompts ids [b, W] for cache rows `rows` -> the last position's logits [b, V]."""
+    def _prefill(self, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Left-padded prompts ids [b, W] for cache rows `rows` (ids [b], their start already set) -> the last
+        position's logits [b, V]."""
         b, W = ids.shape
-        pad = self.pad[rows]
+        pad = self.start[rows]
         slots = torch.arange(W, device=self.dev)
         pos = (slots[None, :] - pad[:, None]).clamp(min=0)
         valid = slots[None, :] >= pad[:, None]
@@ -115,8 +123,8 @@ class BatchedDecoder:
         mask = mask | ~valid[:, :, None]           # a pad row attends to all (its output is never used)
 
         def write(li, k, v):
-            self.k_cache[li, rows, :, :W] = k
-            self.v_cache[li, rows, :, :W] = v
+            self.k_cache[li][rows, :, :W] = k
+            self.v_cache[li][rows, :, :W] = v
             return k, v
 
         x = self._layers(self.embed[ids], pos, write, mask[:, None])
@@ -142,50 +150,80 @@ class BatchedDecoder:
                  temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, pad_id: int = 0,
                  prefill_tokens: int = 1 << 16) -> list[list[int]]:
         """Each prompt's continuation, stopping after a token in `stop_ids` (kept) or after max_new tokens;
-        greedy unless `sample` (temperature, then nucleus top_p)."""
-        n = len(prompts)
+        greedy unless `sample` (temperature, then nucleus top_p). Any number of prompts: they take the B rows
+        in order, and a row whose reply has ended takes the next prompt at the next look (every REFILL steps)."""
+        if not prompts:
+            return []
         W = max(len(p) for p in prompts)
-        if n > self.B or W + max_new > self.T:
-            raise ValueError(f"{n} prompts of up to {W} tokens + {max_new} exceed the decoder's "
-                             f"{self.B} rows of {self.T} slots")
-        ids = torch.full((self.B, W), pad_id, dtype=torch.long)
-        pad = torch.full((self.B,), W - 1, dtype=torch.long)       # unused rows: one pad token
-        for i, p in enumerate(prompts):
-            ids[i, W - len(p):] = torch.tensor(p)
-            pad[i] = W - len(p)
-        ids = ids.to(self.dev)
-        self.slot.fill_(self.T - 1)          # the capture's warm-up writes this slot, which no row reads yet
-        self._capture()
-        self.pad.copy_(pad)
-        logits = torch.empty(self.B, self.lm_head.shape[0], device=self.dev, dtype=self.dtype)
-        per = max(1, prefill_tokens // W)
-        for r in range(0, self.B, per):
-            rows = slice(r, min(self.B, r + per))
-            logits[rows] = self._prefill(ids[rows], rows)
-        gen = torch.Generator(device=self.dev).manual_seed(seed)
-        stops = torch.tensor(sorted(stop_ids), device=self.dev)
-        out = torch.empty(self.B, max_new, dtype=torch.long, device=self.dev)
-        done = torch.zeros(self.B, dtype=torch.bool, device=self.dev)
-        done[n:] = True
-        steps = 0
-        for s in range(max_new):
-            tok = self._choose(logits, sample, temperature, top_p, gen)
-            out[:, s] = tok
-            steps = s + 1
-            done |= torch.isin(tok, stops)
-            if s + 1 == max_new or ((s + 1) % 16 == 0 and bool(done.all())):
-                break
+        if W + max_new > self.T:
+            raise ValueError(f"prompts of up to {W} tokens + {max_new} exceed the decoder's {self.T} slots")
+        self._capture()                      # before any prefill: the capture's warm-up writes at the rows' slots
+        B, dev = self.B, self.dev
+        gen = torch.Generator(device=dev).manual_seed(seed)
+        stops = torch.tensor(sorted(stop_ids), device=dev)
+        every = torch.arange(B, device=dev)
+        out = torch.zeros(B, max_new, dtype=torch.long, device=dev)    # row b's reply so far: out[b, :n[b]]
+        n = torch.zeros(B, dtype=torch.long, device=dev)
+        done = torch.ones(B, dtype=torch.bool, device=dev)            # no prompt, or its reply has ended
+        tok = torch.zeros(B, dtype=torch.long, device=dev)            # the token each row feeds next
+        owner = [-1] * B                                               # the prompt each row works on
+        result: list[list[int]] = [[] for _ in prompts]
+        taken = 0
+
+        def refill(free: list[int]) -> None:
+            """Rows `free` take the next prompts: prefilled together (in parts of about prefill_tokens), their
+            first tokens chosen."""
+            nonlocal taken
+            free = free[:len(prompts) - taken]
+            if not free:
+                return
+            group = prompts[taken:taken + len(free)]
+            for b in free:
+                owner[b] = taken
+                taken += 1
+            w = max(len(p) for p in group)
+            ids = torch.full((len(free), w), pad_id, dtype=torch.long)
+            for i, p in enumerate(group):
+                ids[i, w - len(p):] = torch.tensor(p)
+            rows = torch.tensor(free, device=dev)
+            self.start[rows] = torch.tensor([w - len(p) for p in group], device=dev)
+            self.slot[rows] = w
+            ids = ids.to(dev)
+            per = max(1, prefill_tokens // w)
+            for r in range(0, len(free), per):
+                part = rows[r:r + per]
+                first = self._choose(self._prefill(ids[r:r + per], part), sample, temperature, top_p, gen)
+                tok[part] = first
+                out[part, 0] = first
+                n[part] = 1
+                done[part] = torch.isin(first, stops) | (max_new <= 1)
+
+        refill(list(range(B)))
+        step = 0
+        while True:
+            if step % REFILL == 0:
+                ended = [b for b in done.nonzero()[:, 0].tolist() if owner[b] >= 0]
+                if ended:
+                    for b, row, k in zip(ended, out[ended].tolist(), n[ended].tolist()):
+                        result[owner[b]] = row[:k]
+                        owner[b] = -1
+                    refill(ended)
+                if taken == len(prompts) and bool(done.all()):
+                    break
             self.tok.copy_(tok)
-            self.slot.fill_(W + s)
             if self.graph is not None:
                 self.graph.replay()
             else:
                 self._step()
-            logits = self.logits
-        result = []
-        for row in out[:n, :steps].tolist():
-            cut = next((i + 1 for i, t in enumerate(row) if t in stop_ids), len(row))
-            result.append(row[:cut])
+            new = self._choose(self.logits, sample, temperature, top_p, gen)
+            live = ~done
+            tok = torch.where(live, new, tok)
+            at = n.clamp(max=max_new - 1)
+            out[every, at] = torch.where(live, new, out[every, at])
+            n += live.long()
+            done |= live & (torch.isin(new, stops) | (n >= max_new))
+            self.slot += live.long()         # an ended row stays where it is until a refill moves it
+            step += 1
         return result
 
     @staticmethod

@@ -38,6 +38,7 @@ from jllm.errors import JllmError
 FORMAT_VERSION = 1
 SOURCES = ("magpie", "package", "writing", "derived", "follow-up", "question")
 _SENTINEL = "\x00USER\x00"
+CHUNK = 4            # prompts per generate call, in batches: the deadline is looked at between calls
 
 CODE_TASKS = (
     "Explain what the following code does, step by step:\n\n```{lang}\n{text}\n```",
@@ -347,7 +348,7 @@ def _replies(target, prompts: list[tuple[list[int], int, bool]], batch: int, max
     """Appends (prompt, reply, source, sampled) to rows for prompts (ids, source, sampled), batched by length
     in a random batch order; False if the deadline stopped it first."""
     prompts = sorted(prompts, key=lambda x: (x[2], len(x[0])))             # like lengths together: less padding
-    chunks = list(_batches(prompts, batch))
+    chunks = list(_batches(prompts, CHUNK * batch))          # `batch` rows decode a chunk, refilled as replies end
     rng.shuffle(chunks)
     for chunk in chunks:
         if deadline is not None and time.perf_counter() > deadline:
@@ -357,7 +358,7 @@ def _replies(target, prompts: list[tuple[list[int], int, bool]], batch: int, max
             if not part:
                 continue
             replies = target.generate([p for p, _, _ in part], max_new, sample=mode, temperature=0.8,
-                                      top_p=0.95, seed=seed + len(rows))
+                                      top_p=0.95, seed=seed + len(rows), rows=batch)
             rows += [(p, r, s, m) for (p, s, m), r in zip(part, replies) if r]
         log(f"data: {len(rows)} replies, {sum(len(r) for _, r, _, _ in rows)} tokens, "
             f"{time.perf_counter() - t_start:.0f} s")

@@ -86,12 +86,13 @@ class Target:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new: int, sample: bool, temperature: float = 1.0,
-                 top_p: float = 1.0, seed: int = 0) -> list[list[int]]:
+                 top_p: float = 1.0, seed: int = 0, rows: int | None = None) -> list[list[int]]:
         """Each prompt's continuation (ids, the end-of-turn token included when one ended it), batched
-        (train/batched.py); greedy unless `sample`."""
+        (train/batched.py); greedy unless `sample`. rows: decode at most this many at once (the others take
+        the rows of replies that have ended); None: all of them."""
         from jllm.train.batched import BatchedDecoder
 
-        rows = -(-len(prompts) // 64) * 64
+        rows = -(-min(len(prompts), rows or len(prompts)) // 64) * 64
         slots = -(-(max(len(p) for p in prompts) + max_new) // 256) * 256
         dec = self._decoder
         if dec is None or dec.B < rows or dec.T < slots:
