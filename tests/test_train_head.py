@@ -364,6 +364,35 @@ def test_questions_are_a_source_and_their_answers_get_prose_tasks(target):
     assert len(derived) >= 16 and all("fact fact" in tok.decode(d, skip_special=False) for d in derived)
 
 
+def test_requests_are_written_by_the_target_then_answered(target):
+    """Requests (source 6): the target is asked to write a user's request about a topic; each finished one
+    (unquoted) is then asked as a user turn, and its finished answer comes back with a prose task. An
+    unfinished request, and a reply about the request instead of one, are dropped."""
+    tg, _, _ = target
+    tok = tg.tokenizer
+    eot = min(tok.eot_ids)
+
+    def reply(n, m):
+        if n == 5:                                    # a reply about the request, not the request itself
+            return tok.encode("Certainly! Here is the request: explain it all")[:m - 1] + [eot]
+        if n <= 12:                                   # the requests: every fourth one runs out of tokens
+            return tok.encode(f'"Please explain topic {n} in detail, for a student"')[:m - 1] + ([eot] if n % 4 else [])
+        return tok.encode(f" answer {n} " + "fact " * 70)[:m - 1] + [eot]
+
+    sc = Scripted(tg, reply)
+    conv = data_mod.generate(sc, 0, 0, max_new=120, batch=4, n_requests=12, seed=6, log=lambda s: None)
+    asks = sc.seen[:12]
+    assert all("AI assistant" in p for p in asks)
+    assert all(any(t in p for t in data_mod.QUESTION_TOPICS + data_mod.WRITING_TOPICS) for p in asks)
+    src = conv.source.tolist()
+    assert src.count(6) == 8                             # 12 written, 3 unfinished, 1 about the request
+    asked = [tok.decode(conv.ids(i)[:conv.reply_start[i]], skip_special=False)
+             for i in range(len(conv)) if conv.source[i] == 6]
+    assert all("Please explain topic" in p and '"Please' not in p for p in asked)
+    derived = [tok.decode(conv.ids(i), skip_special=False) for i in range(len(conv)) if conv.source[i] == 3]
+    assert len(derived) >= 8 and all("fact fact" in d for d in derived)
+
+
 def test_follow_up_round_continues_the_first_conversations(target):
     """With follow_share 1, every finished first-round reply gets a second user turn: the prompt is the
     template's rendering of (user, the target's reply, a follow-up), and its reply is trained on as source 4."""

@@ -36,7 +36,7 @@ import numpy as np
 from jllm.errors import JllmError
 
 FORMAT_VERSION = 1
-SOURCES = ("magpie", "package", "writing", "derived", "follow-up", "question")
+SOURCES = ("magpie", "package", "writing", "derived", "follow-up", "question", "request")
 _SENTINEL = "\x00USER\x00"
 CHUNK = 4            # prompts per generate call, in batches: the deadline is looked at between calls
 
@@ -94,6 +94,20 @@ QUESTION_TOPICS = ("photosynthesis", "compound interest", "the way GPS finds a p
                    "how airplanes fly", "memory leaks", "the Industrial Revolution", "interest rates",
                    "containers and virtual machines", "the human heart", "floating-point numbers",
                    "carbon dating", "a load balancer", "the Silk Road", "unit testing", "earthquakes")
+# requests the target writes itself before answering them (source 6): chat users ask long questions of
+# several parts with an audience or a length in mind, which the fixed QUESTION_FORMS do not
+REQUEST_ASKS = (
+    "Write one question that a user might ask an AI assistant about {t}. Make it specific: name two to four "
+    "points the answer must cover, and say who the answer is for. Write only the question.",
+    "Write a detailed request to an AI assistant for an explanation of {t}. It should ask for several "
+    "particular things (a comparison, an example, a cost or a risk) and set how long or how simple the "
+    "answer should be. Write only the request.",
+    "Imagine a {who} who wants to understand {t}. Write the message they would send to an AI assistant, "
+    "asking about two or three concrete aspects in one or two sentences. Write only the message.",
+)
+PREAMBLES = ("certainly", "sure", "here is", "here's", "of course")   # a reply about the request, not one
+REQUEST_WHO = ("student", "junior developer", "product manager", "retired engineer", "journalist",
+               "nurse", "small-business owner", "teacher", "data analyst", "curious teenager")
 PROSE_TASKS = (
     "Summarize this text in a few sentences:\n\n{text}",
     "Summarize the following in one paragraph:\n\n{text}",
@@ -107,6 +121,11 @@ PROSE_TASKS = (
     "Translate this text into {human}:\n\n{text}",
     "Translate the following into {human}, keeping its formatting:\n\n{text}",
     "Explain the main idea of this text to a child:\n\n{text}",
+    # tasks of two parts, as chat users write them
+    "Summarize this text in {k} bullet points, then say in one sentence what matters most in it:\n\n{text}",
+    "Summarize this text for {who}, then suggest a title for it:\n\n{text}",
+    "Summarize this text in one paragraph, then name the three most important facts in it:\n\n{text}",
+    "Rewrite this text for {who}, keeping every fact, then explain what you changed:\n\n{text}",
 )
 BACK_TASK = "Translate this text into English:\n\n{text}"
 TRANSLATION_CUES = ("Translate this text into ", "Translate the following into ")   # PROSE_TASKS' translations
@@ -273,6 +292,13 @@ def question_prompts(n: int, rng: random.Random) -> list[str]:
     return [rng.choice(QUESTION_FORMS).format(t=rng.choice(QUESTION_TOPICS)) for _ in range(n)]
 
 
+def request_asks(n: int, rng: random.Random) -> list[str]:
+    """n instructions to the target to write a user's request about a topic (REQUEST_ASKS x QUESTION_TOPICS,
+    WRITING_TOPICS)."""
+    topics = QUESTION_TOPICS + WRITING_TOPICS
+    return [rng.choice(REQUEST_ASKS).format(t=rng.choice(topics), who=rng.choice(REQUEST_WHO)) for _ in range(n)]
+
+
 def add_typos(text: str, rng: random.Random, rate: float = 0.04) -> str:
     """The text with about `rate` of its words misspelt: two letters swapped, one dropped or doubled."""
     words = text.split(" ")
@@ -284,7 +310,7 @@ def add_typos(text: str, rng: random.Random, rate: float = 0.04) -> str:
 
 
 def follow_up_prompts(template, tokenizer, rows, rng: random.Random, share: float,
-                      sources=(0, 1, 2, 5)) -> list[list[int]]:
+                      sources=(0, 1, 2, 5, 6)) -> list[list[int]]:
     """For about `share` of the finished replies of `sources`, the ids of the conversation continued by a
     second user turn (FOLLOW_UPS), ready for the target's second reply."""
     head, _, tail = _around_user(template, True)
@@ -312,7 +338,8 @@ def derived_prompts(texts: list[str], rng: random.Random, back: bool = False) ->
     into English."""
     if back:
         return [BACK_TASK.format(text=t) for t in texts]
-    return [rng.choice(PROSE_TASKS).format(text=t, typos=add_typos(t, rng), human=rng.choice(HUMAN_LANGUAGES))
+    return [rng.choice(PROSE_TASKS).format(text=t, typos=add_typos(t, rng), human=rng.choice(HUMAN_LANGUAGES),
+                                           k=rng.choice((3, 4, 5)), who=f"a {rng.choice(REQUEST_WHO)}")
             for t in texts]
 
 
@@ -322,6 +349,24 @@ def derived_prompts(texts: list[str], rng: random.Random, back: bool = False) ->
 def _batches(items: list, size: int):
     for i in range(0, len(items), size):
         yield items[i:i + size]
+
+
+def requests(target, n: int, batch: int, max_new: int, rng: random.Random, seed: int) -> list[str]:
+    """n user requests written by the target itself (request_asks), sampled; unfinished, short and marked-up
+    ones dropped, and those that talk about the request ("Certainly! Here is ...") rather than being it;
+    quotes around a request taken off."""
+    tok, tpl = target.tokenizer, target.template
+    asks = [chat_prompt(tpl, tok, a) for a in request_asks(n, rng)]
+    users: list[str] = []
+    for i, part in enumerate(_batches(asks, max(batch, 1))):
+        for ids in target.generate(part, max_new, sample=True, temperature=0.9, top_p=0.95, seed=seed + 7919 + i,
+                                   rows=batch):
+            if not ids or ids[-1] not in tok.eot_ids or any(tok.is_special(t) for t in ids[:-1]):
+                continue
+            text = tok.decode(ids[:-1], skip_special=False).strip().strip('"').strip()
+            if len(text) >= 20 and not text.lower().startswith(PREAMBLES) and "---" not in text:
+                users.append(text)
+    return users
 
 
 def magpie_users(target, n: int, batch: int, max_new: int, seed: int) -> list[str]:
@@ -378,10 +423,11 @@ def _finished_texts(rows, tok, source: int, first: int = 0, min_tokens: int = 60
 def generate(target, n_magpie: int, n_package: int, max_new: int = 512, batch: int = 32,
              user_max_new: int = 128, sampled_frac: float = 0.5, max_prompt: int = 1024, seed: int = 0,
              files: list[Path] | None = None, log=print, time_limit: float | None = None,
-             n_writing: int = 0, follow_share: float = 0.0, n_questions: int = 0) -> Conversations:
+             n_writing: int = 0, follow_share: float = 0.0, n_questions: int = 0,
+             n_requests: int = 0) -> Conversations:
     """Self-distilled conversations: the prompts of every source, the target's replies to them. In three
-    rounds: magpie, package, writing and question prompts; then the derived tasks over the finished writing
-    and question replies and, for `follow_share` of the first round's finished replies, a second user turn
+    rounds: magpie, package, writing, question and request prompts (magpie turns and requests written by the
+    target first); then the derived tasks over the finished writing, question and request replies and, for `follow_share` of the first round's finished replies, a second user turn
     (FOLLOW_UPS); then the derived translations back into English. A time_limit (seconds for the replies)
     gives the rounds 60, 28 and 12 % of it (80 and 20 % with follow-ups alone, all of it to the first round
     with neither); within a round batches of like lengths run in a random order, so a cut keeps a sample of
@@ -390,6 +436,7 @@ def generate(target, n_magpie: int, n_package: int, max_new: int = 512, batch: i
     tok, tpl = target.tokenizer, target.template
     t0 = time.perf_counter()
     users = [(u, 0) for u in magpie_users(target, n_magpie, batch, user_max_new, seed)] if n_magpie else []
+    users += [(u, 6) for u in requests(target, n_requests, batch, user_max_new, rng, seed)] if n_requests else []
     t1 = time.perf_counter()
     users += [(u, 1) for u in package_prompts(n_package, rng, files)] if n_package else []
     users += [(u, 2) for u in writing_prompts(n_writing, rng)]
@@ -399,7 +446,7 @@ def generate(target, n_magpie: int, n_package: int, max_new: int = 512, batch: i
         ids = [(chat_prompt(tpl, tok, u), s) for u, s in texts_sources]
         return [(p, s, rng.random() < sampled_frac) for p, s in ids if len(p) <= max_prompt]
 
-    derives = bool(n_writing or n_questions)         # derived tasks, then their translations back
+    derives = bool(n_writing or n_questions or n_requests)     # derived tasks, then their translations back
     two_rounds = derives or follow_share > 0
     # the time limit's share of each round by the rounds that run; follow-ups alone make a second round of
     # about a third of the first's size
@@ -409,7 +456,7 @@ def generate(target, n_magpie: int, n_package: int, max_new: int = 512, batch: i
     done = _replies(target, prompts_of(users), batch, max_new, rng, seed, deadline(share[0]), log, t1, rows)
     if two_rounds:
         first = len(rows)
-        texts = _finished_texts(rows, tok, 2) + _finished_texts(rows, tok, 5)
+        texts = _finished_texts(rows, tok, 2) + _finished_texts(rows, tok, 5) + _finished_texts(rows, tok, 6)
         second = prompts_of([(u, 3) for u in derived_prompts(texts, rng)])
         second += [(p, 4, rng.random() < sampled_frac) for p in follow_up_prompts(tpl, tok, rows, rng, follow_share)
                    if len(p) <= max_prompt]

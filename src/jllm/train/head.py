@@ -204,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
                     "then given back with a prose task, and its translations back into English")
     ap.add_argument("--questions", type=int, default=3000, help="questions on how something works "
                     "(beyond code), each answer also given back with a prose task")
+    ap.add_argument("--requests", type=int, default=3000, help="requests of several parts that the target "
+                    "writes itself about a topic, then answers (each answer also given back with a prose task)")
     ap.add_argument("--follow-up", type=float, default=0.3, help="share of the first round's finished replies "
                     "that get a second user turn and a second reply")
     ap.add_argument("--max-new", type=int, default=512, help="reply tokens at most")
@@ -248,7 +250,7 @@ def _run(a) -> int:
     else:
         conv = data_mod.generate(target, a.magpie, a.package, a.max_new, a.gen_batch, sampled_frac=a.sampled,
                                  seed=a.seed, time_limit=a.gen_time, n_writing=a.writing,
-                                 follow_share=a.follow_up, n_questions=a.questions)
+                                 follow_share=a.follow_up, n_questions=a.questions, n_requests=a.requests)
         if a.data:
             conv.save(a.data)
     if a.data_only:
