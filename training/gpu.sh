@@ -11,7 +11,7 @@
 #   start GEN_S STEPS PROCS [TRAIN ARGS...]
 #                           in a new process session: PROCS data makers (seeds SEED_BASE+1.., GEN_S seconds
 #                           of replies each; GEN_ARGS: their sources and batch), then training on the data in
-#                           the repo and theirs, STEPS steps
+#                           the repo and theirs, STEPS steps; REPO_DATA=0: on theirs alone (a run from scratch)
 #   poll                    the logs' last lines
 #   back                    the head (15 MiB parts), the new data and the logs into $OUT
 set -euo pipefail
@@ -31,10 +31,12 @@ setup)
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv ;;
 start)
     gen_s=$2 steps=$3 procs=$4; shift 4
-    rm -rf "$M/src" "$M/data" && cp -r src "$M/src" && mkdir "$M/data" && cp $DATA "$M/data/"   # later calls may change the tree
+    rm -rf "$M/src" "$M/data" && cp -r src "$M/src" && mkdir "$M/data"     # later calls may change the tree
+    [ "${REPO_DATA:-1}" = 0 ] || cp $DATA "$M/data/"
     cat > "$M/job.sh" <<EOF
 set -x
 export PYTHONPATH=$M/src:$M/site
+echo "job start \$(date +%s)"
 for i in \$(seq 1 $procs); do
   s=\$((i + \${SEED_BASE:-3}))
   python3 -m jllm.train.head -m $M/t.gguf -o $M/unused.gguf --device cuda --data $M/conv-s\$s.npz --data-only \
@@ -42,11 +44,12 @@ for i in \$(seq 1 $procs); do
     --seed \$s > $M/gen\$s.log 2>&1 &
 done
 wait
-files=\$(ls $M/data/*.npz | paste -sd,)
-for f in $M/conv-s*.npz; do [ -f \$f ] && files=\$files,\$f; done
+files=
+for f in $M/data/*.npz $M/conv-s*.npz; do [ -f \$f ] && files=\${files:+\$files,}\$f; done
 echo "training on \$files"
 python3 -m jllm.train.head -m $M/t.gguf -o $M/head.gguf --device cuda --data \$files --steps $steps $* \
   > $M/train.log 2>&1
+echo "job end \$(date +%s)"
 echo done > $M/finished
 EOF
     setsid bash "$M/job.sh" > "$M/job.log" 2>&1 < /dev/null &
