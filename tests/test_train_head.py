@@ -17,7 +17,7 @@ from jllm.model.config import config_from_gguf
 from jllm.train import data as data_mod
 from jllm.train.eagle3 import Eagle3Head, HeadConfig, rope_interleaved
 from jllm.train.export import write_head
-from jllm.train.head import TrainConfig, make_batches, new_head, train
+from jllm.train.head import TrainConfig, make_batches, new_head, spread, train
 from jllm.train.target import load_target
 
 pytestmark = pytest.mark.usefixtures("native_kernels")      # built before the first model runs
@@ -170,6 +170,8 @@ def test_train_loss_falls_and_the_gguf_loads(target, tmp_path):
     assert [s for s, _ in hist.held_acc] == [40] and len(hist.held_acc[0][1]) == 3
     assert all(0.0 <= a <= 1.0 for a in hist.held_acc[0][1])
     assert sorted(i for b in make_batches(conv, 256, 512, [0, 3]) for i in b) == [0, 3]
+    # the held-out batches scored are spread over the lengths, the shortest and the longest among them
+    assert spread(list(range(20)), 8) == [0, 3, 5, 8, 11, 14, 16, 19] and spread([1, 2], 8) == [1, 2]
     assert np.mean([a[0] for a in hist.step_acc[-3:]]) > np.mean([a[0] for a in hist.step_acc[:3]])
 
     path = tmp_path / "head.gguf"

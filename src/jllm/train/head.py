@@ -80,6 +80,14 @@ def make_batches(conv: data_mod.Conversations, max_len: int, batch_tokens: int,
     return batches
 
 
+def spread(batches: list, n: int) -> list:
+    """n of the batches (sorted by length), evenly spaced from the shortest to the longest: the held-out
+    score is then one of every length, not of the longest conversations (mostly code) alone."""
+    if len(batches) <= n:
+        return batches
+    return [batches[round(i * (len(batches) - 1) / (n - 1))] for i in range(n)] if n > 1 else batches[-1:]
+
+
 def collate(conv: data_mod.Conversations, idx: list[int], max_len: int, pad: int, device):
     """-> ids [B, T] right-padded with `pad`, lengths [B], reply_start [B], on `device`."""
     rows = [conv.ids(i)[:max_len] for i in idx]
@@ -115,7 +123,7 @@ def train(target: Target, head: Eagle3Head, conv: data_mod.Conversations, tc: Tr
     rng = random.Random(tc.seed)
     held = set(random.Random(tc.seed + 1).sample(range(len(conv)), int(len(conv) * tc.holdout)))
     batches = make_batches(conv, tc.max_len, tc.batch_tokens, [i for i in range(len(conv)) if i not in held])
-    held_batches = make_batches(conv, tc.max_len, tc.batch_tokens, held)[::-1][:tc.holdout_batches] if held else []
+    held_batches = spread(make_batches(conv, tc.max_len, tc.batch_tokens, held), tc.holdout_batches) if held else []
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=tc.lr, betas=(0.9, 0.95), weight_decay=0.0)
     warm = min(tc.warmup, max(1, tc.steps // 10))
