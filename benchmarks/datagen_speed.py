@@ -62,7 +62,7 @@ def main() -> None:
         g = torch.Generator().manual_seed(B)
         prompts = torch.randint(10, vocab - 10, (B, a.prompt), generator=g).tolist()
         dec = BatchedDecoder(model, B, a.prompt + a.new)
-        dec.generate(prompts[:8], 4, {-1})                            # capture the graph, warm up
+        dec.generate(prompts[:8], 4, {-1})                            # capture the step graphs, warm up
         greedy = None
         for sample in (False, True):
             out, s = timed(lambda: dec.generate(prompts, a.new, {-1}, sample=sample, temperature=0.8,

@@ -271,6 +271,7 @@ def test_batched_decoder_refills_rows_as_replies_end(target, monkeypatch):
     prompts = [rng.integers(5, tg.cfg.vocab_size, size=n).tolist() for n in (3, 11, 7, 1, 16, 9, 2)]
     want = tg.hf_generate(prompts, 20)
     monkeypatch.setattr(batched, "REFILL", 3)
+    monkeypatch.setattr(batched, "SPAN", 8)          # steps attend over 8, 16, ... 40 slots as the rows grow
     dec = batched.BatchedDecoder(tg.model, 2, 40)
     assert dec.generate(prompts, 20, {-1}) == want
     # stop tokens end replies at different steps, so rows are refilled at different times

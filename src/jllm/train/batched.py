@@ -5,7 +5,8 @@ Why not transformers' `generate`: on the H200 it spent ~130 ms a step whatever t
 first data run: 3.5k tok/s at batch 512, and three processes side by side together only 4k), so the GPU
 mostly waited on Python. Here the weights are the Hugging Face model's own tensors, read once; the cache is
 allocated once, [layers, batch, kv heads, prompt + max_new, head_dim]; a decode step is a fixed sequence of
-kernels, captured once as a CUDA graph and replayed (on the CPU it runs eagerly, the same code).
+kernels, captured as a CUDA graph and replayed (on the CPU it runs eagerly, the same code), one graph for each
+span of slots a step attends over (the first multiple of SPAN that holds every row's keys).
 
 Layout: each row has its own write slot slot[b] and first valid slot start[b]: a group of prompts prefilled
 together is left-padded to its width W (start = W - len), and its rows then write their steps at W, W + 1, ...
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 REFILL = 16          # decode steps between looks at which rows have ended (each look waits for the GPU)
+SPAN = 256           # a step attends over the first multiple of SPAN slots that holds every row's keys
 
 
 class BatchedDecoder:
@@ -59,7 +61,7 @@ class BatchedDecoder:
         self.slot = torch.zeros(batch, dtype=torch.long, device=self.dev)       # where row b writes its token
         self.start = torch.zeros(batch, dtype=torch.long, device=self.dev)      # row b's first valid slot
         self.logits = None
-        self.graph = None
+        self.graphs = {}                     # slots attended -> (the CUDA graph of a step, its logits)
 
     # ----------------------------------------------------------------------------------------- the math
 
@@ -94,9 +96,11 @@ class BatchedDecoder:
             x = x + F.linear(F.silu(F.linear(h, w["gate"])) * F.linear(h, w["up"]), w["down"])
         return x
 
-    def _step(self):
-        """One decode step for every row: token tok[b] at cache slot slot[b] -> self.logits [B, V]."""
-        slots = torch.arange(self.T, device=self.dev)
+    def _step(self, span: int):
+        """One decode step for every row: token tok[b] at cache slot slot[b] -> self.logits [B, V]. The
+        attention reads the first `span` slots of the cache, which hold every row's keys (slot[b] < span):
+        a step's cost then grows with the rows' lengths, not with the cache's."""
+        slots = torch.arange(span, device=self.dev)
         pos = (self.slot - self.start)[:, None]                                # [B, 1]
         mask = ((slots[None, :] >= self.start[:, None]) & (slots[None, :] <= self.slot[:, None]))[:, None, None, :]
 
@@ -105,10 +109,10 @@ class BatchedDecoder:
         def write(li, k, v):                                                   # k, v [B, Hk, 1, hd]
             self.k_cache[li].scatter_(2, at, k)
             self.v_cache[li].scatter_(2, at, v)
-            return self.k_cache[li], self.v_cache[li]
+            return self.k_cache[li][:, :, :span], self.v_cache[li][:, :, :span]
 
         x = self._layers(self.embed[self.tok][:, None, :], pos, write, mask)
-        self.logits = F.linear(self._rms(x[:, 0], self.norm), self.lm_head)
+        return F.linear(self._rms(x[:, 0], self.norm), self.lm_head)
 
     @torch.no_grad()
     def _prefill(self, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -132,18 +136,26 @@ class BatchedDecoder:
 
     # ----------------------------------------------------------------------------------------- decoding
 
-    def _capture(self):
-        if self.dev.type != "cuda" or self.graph is not None:
-            return
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                self._step()
-        torch.cuda.current_stream().wait_stream(s)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self._step()
+    def _decode(self, span: int) -> torch.Tensor:
+        """Run one step over `span` slots -> the logits [B, V]: on CUDA by the graph of that span, captured the
+        first time it is needed (its warm-up runs the same step on the same inputs, so the cache it writes is
+        the step's own), eagerly elsewhere."""
+        if self.dev.type != "cuda":
+            return self._step(span)
+        if span not in self.graphs:
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                for _ in range(2):
+                    self._step(span)
+            torch.cuda.current_stream().wait_stream(s)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                logits = self._step(span)
+            self.graphs[span] = (graph, logits)
+        graph, logits = self.graphs[span]
+        graph.replay()
+        return logits
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new: int, stop_ids, sample: bool = False,
@@ -157,7 +169,6 @@ class BatchedDecoder:
         W = max(len(p) for p in prompts)
         if W + max_new > self.T:
             raise ValueError(f"prompts of up to {W} tokens + {max_new} exceed the decoder's {self.T} slots")
-        self._capture()                      # before any prefill: the capture's warm-up writes at the rows' slots
         B, dev = self.B, self.dev
         gen = torch.Generator(device=dev).manual_seed(seed)
         stops = torch.tensor(sorted(stop_ids), device=dev)
@@ -199,7 +210,7 @@ class BatchedDecoder:
                 done[part] = torch.isin(first, stops) | (max_new <= 1)
 
         refill(list(range(B)))
-        step = 0
+        step = top = 0
         while True:
             if step % REFILL == 0:
                 ended = [b for b in done.nonzero()[:, 0].tolist() if owner[b] >= 0]
@@ -210,11 +221,9 @@ class BatchedDecoder:
                     refill(ended)
                 if taken == len(prompts) and bool(done.all()):
                     break
+                top = int(self.slot.max()) - step           # + step: a bound on every row's slot until the next look
             self.tok.copy_(tok)
-            if self.graph is not None:
-                self.graph.replay()
-            else:
-                self._step()
+            self.logits = self._decode(min(self.T, -(-(top + step + 1) // SPAN) * SPAN))
             new = self._choose(self.logits, sample, temperature, top_p, gen)
             live = ~done
             tok = torch.where(live, new, tok)
