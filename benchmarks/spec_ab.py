@@ -4,23 +4,30 @@ prompt), so the host's minute-to-minute speed swings fall on all three alike. Se
 runs differ by ±0.05x from that noise alone.
 
     python benchmarks/spec_ab.py --a p_min=0.7 --b p_min=0.6 [--limit N]
+    python benchmarks/spec_ab.py -md qwen2.5-coder-1.5b-eagle3 --b gate.off_below=0.85
 
-Keys are SpecConfig fields; values are parsed as int, float or str.
+Keys are SpecConfig fields, or `gate.` and a DraftGate argument (jllm.spec.policy); values are parsed as
+int, float or str. Besides time, each configuration's target passes are counted (tokens - accepted: verify
+passes and the plain steps of gated-off stretches), which the host's speed does not move.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import time
 from collections import defaultdict
 from dataclasses import replace
 
+import jllm.engine
 from jllm.engine import Engine
 from jllm.sampling import SamplingParams
 from jllm.spec.bench import _run
 from jllm.spec.corpus import load_corpus
 from jllm.spec.config import SpecConfig
 from jllm.catalog import resolve
+from jllm.spec.policy import DraftGate
 
 
 def _config(text: str) -> dict:
@@ -36,6 +43,19 @@ def _config(text: str) -> dict:
     return out
 
 
+def _split(overrides: dict) -> tuple[dict, dict]:
+    """-> (SpecConfig overrides, DraftGate arguments); an unknown gate argument fails here, before any model
+    loads."""
+    spec = {k: v for k, v in overrides.items() if not k.startswith("gate.")}
+    gate = {k[len("gate."):]: v for k, v in overrides.items() if k.startswith("gate.")}
+    try:
+        DraftGate(**gate)
+        replace(SpecConfig(), **spec)
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"spec_ab: {e}")
+    return spec, gate
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", default="qwen2.5-coder-1.5b")
@@ -44,9 +64,12 @@ def main() -> None:
     ap.add_argument("--a", default="", help="configuration A: SpecConfig overrides, key=value,...")
     ap.add_argument("--b", default="", help="configuration B")
     ap.add_argument("--limit", type=int, default=None)
+    ap.add_argument("--json", default=None, help="write every prompt's figures here")
     a = ap.parse_args()
     base = SpecConfig()
-    cfgs = {"A": replace(base, **_config(a.a)), "B": replace(base, **_config(a.b))}
+    split = {"A": _split(_config(a.a)), "B": _split(_config(a.b))}
+    cfgs = {name: replace(base, **spec) for name, (spec, _) in split.items()}
+    rows = []
     eng = Engine(str(resolve(a.model)), draft_path=str(resolve(a.draft)), spec=base)
     params = SamplingParams(max_tokens=a.n)
     sums = defaultdict(lambda: defaultdict(float))         # category -> plain/A/B -> seconds; tokens
@@ -54,24 +77,36 @@ def main() -> None:
     for i, item in enumerate(load_corpus()[:a.limit] if a.limit else load_corpus()):
         ids = eng.chat_ids(item["messages"])
         plain, _ = _run(eng, ids, params, None)
-        res = {}
+        res, passes = {}, {}
         for name in ("AB" if i % 2 == 0 else "BA"):
-            out, _ = _run(eng, ids, params, cfgs[name])
+            jllm.engine.DraftGate = functools.partial(DraftGate, **split[name][1])
+            try:
+                out, st = _run(eng, ids, params, cfgs[name])
+            finally:
+                jllm.engine.DraftGate = DraftGate
             assert out.token_ids == plain.token_ids, f"{item['id']}: configuration {name} changed the output"
             res[name] = out.timings.decode_ms / 1000
+            passes[name] = len(out.token_ids) - st["accepted"]
+        rows.append({"id": item["id"], "category": item["category"], "tokens": len(plain.token_ids),
+                     "plain_s": plain.timings.decode_ms / 1000, "s": res, "target_passes": passes})
         for cat in (item["category"], "ALL"):
             s = sums[cat]
             s["tokens"] += len(plain.token_ids)
             s["plain"] += plain.timings.decode_ms / 1000
-            s["A"] += res["A"]
-            s["B"] += res["B"]
+            for name in "AB":
+                s[name] += res[name]
+                s["passes " + name] += passes[name]
         p = plain.timings.decode_ms / 1000
         print(f"{item['id']:<32} A {p / res['A']:5.2f}x  B {p / res['B']:5.2f}x", flush=True)
     print(f"\nA: {a.a or 'defaults'}    B: {a.b or 'defaults'}    ({time.perf_counter() - t0:.0f} s)")
-    print(f"{'category':<14} {'plain tok/s':>12} {'A speedup':>10} {'B speedup':>10}")
+    print(f"{'category':<14} {'plain tok/s':>12} {'A speedup':>10} {'B speedup':>10} {'passes A':>9} {'passes B':>9}")
     for cat in sorted(sums, key=lambda c: c == "ALL"):
         s = sums[cat]
-        print(f"{cat:<14} {s['tokens'] / s['plain']:>12.2f} {s['plain'] / s['A']:>9.2f}x {s['plain'] / s['B']:>9.2f}x")
+        print(f"{cat:<14} {s['tokens'] / s['plain']:>12.2f} {s['plain'] / s['A']:>9.2f}x {s['plain'] / s['B']:>9.2f}x "
+              f"{s['passes A']:>9.0f} {s['passes B']:>9.0f}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"model": a.model, "draft": a.draft, "a": a.a, "b": a.b, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
