@@ -7,7 +7,7 @@ its low nibble and weight 32 + l in its high one), and the header is unpacked on
 the scale and min codes [N, K/256, 8] uint8, 148 bytes a block (1.03x the file's). Unpacking the codes in the
 kernel would save those 4 bytes a block for more integer work every step; this keeps the kernel simple first.
 
-The kernel (`matvec`) computes each output y[m, n] from its own row x[m] only, with one fixed order of
+The kernel (`launch`, called by jllm.cuda.matvec) computes each output y[m, n] from its own row x[m] only, with one fixed order of
 operations whatever the number of rows M: one program per (BLOCK_N outputs, one row of x), a loop over the
 super-blocks, 32 weights at a time (one scale and min each), value = (d * scale) * q - (dmin * min) in
 float32 as the CPU's dequantization (jllm.gguf.quants) computes it, then a sum per 32. So a verify pass over
@@ -88,13 +88,7 @@ def _q4_k_matvec(x_ptr, qs_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, y_ptr, N, K, NB
     tl.store(y_ptr + m * N + rows, acc, mask=live)
 
 
-def matvec(x: torch.Tensor, w: Q4KWeight, block_n: int = 16) -> torch.Tensor:
-    """x [M, K] (float32 or bfloat16) -> y = x W^T [M, N] float32, every row from its own row of x alone."""
+def launch(x: torch.Tensor, w: Q4KWeight, y: torch.Tensor, block_n: int) -> None:
     n, k = w.shape
-    if x.dim() != 2 or x.shape[1] != k:
-        raise ValueError(f"x must be [M, {k}], is {list(x.shape)}")
-    x = x.contiguous()
-    y = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, block_n), x.shape[0])
     _q4_k_matvec[grid](x, w.qs, w.d, w.dmin, w.sc, w.mn, y, n, k, k // BLOCK_VALUES, BLOCK_N=block_n)
-    return y

@@ -1,0 +1,69 @@
+"""The GPU matvecs over GGUF blocks (jllm.cuda: Q4_K, Q6_K) against a bf16 matmul of the same matrix, at the
+Qwen2.5-1.5B target's shapes and the row counts of decode and verify: time per call, and the bytes a call
+reads over it (GB/s; the H200 streams ~4.8 TB/s). Random blocks: speed does not depend on the values.
+
+    python benchmarks/cuda_matvec.py                    # on the GPU
+    TRITON_INTERPRET=1 python benchmarks/cuda_matvec.py --tiny    # the CPU: that it runs, no figures worth reading
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from jllm.cuda.matvec import matvec
+from jllm.cuda.q4_k import Q4KWeight
+from jllm.cuda.q6_k import Q6KWeight
+
+# (type, N, K) of the 1.5B Q4_K_M's matrices
+SHAPES = {"attn_q / attn_output": (Q4KWeight, 1536, 1536), "ffn_gate / ffn_up": (Q4KWeight, 8960, 1536),
+          "ffn_down (Q4_K)": (Q4KWeight, 1536, 8960), "ffn_down (Q6_K)": (Q6KWeight, 1536, 8960),
+          "output (Q6_K)": (Q6KWeight, 151936, 1536)}
+BLOCK_BYTES = {Q4KWeight: 144, Q6KWeight: 210}
+SCALES = {Q4KWeight: slice(0, 4), Q6KWeight: slice(208, 210)}
+
+
+def timed(fn, reps: int) -> float:
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    fn()
+    sync()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    sync()
+    return (time.perf_counter() - t) / reps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 5, 8])
+    ap.add_argument("--block-n", type=int, nargs="+", default=[8, 16, 32])
+    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--tiny", action="store_true", help="one small shape, 2 reps (the interpreter)")
+    a = ap.parse_args()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    shapes = {"tiny Q4_K": (Q4KWeight, 32, 512), "tiny Q6_K": (Q6KWeight, 32, 512)} if a.tiny else SHAPES
+    reps = 2 if a.tiny else a.reps
+    g = torch.Generator().manual_seed(0)
+    print(f"{'matrix':<22} {'N x K':>12} {'rows':>4} {'block_n':>7} {'us':>9} {'GB/s':>7} {'bf16 us':>9}")
+    for name, (cls, n, k) in shapes.items():
+        raw = torch.randint(0, 256, (n * k // 256, BLOCK_BYTES[cls]), generator=g, dtype=torch.uint8)
+        cut = SCALES[cls]
+        raw[:, cut] = (torch.rand(n * k // 256, (cut.stop - cut.start) // 2, generator=g) * 0.01).to(
+            torch.float16).view(torch.uint8)
+        w = cls.from_gguf(raw.reshape(-1), (n, k), dev)
+        dense = torch.randn(n, k, generator=g).to(dev, torch.bfloat16)
+        for m in a.rows:
+            x = torch.randn(m, k, generator=g).to(dev)
+            xb = x.to(torch.bfloat16)
+            t_dense = timed(lambda: xb @ dense.T, reps)
+            for bn in a.block_n:
+                t = timed(lambda: matvec(x, w, block_n=bn), reps)
+                print(f"{name:<22} {n:>5} x {k:<5} {m:>4} {bn:>7} {t * 1e6:>9.1f} {w.nbytes() / t / 1e9:>7.0f} "
+                      f"{t_dense * 1e6:>9.1f}")
+
+
+if __name__ == "__main__":
+    main()
