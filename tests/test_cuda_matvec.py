@@ -13,21 +13,32 @@ pytest.importorskip("triton", reason="triton is not installed (it comes with tor
 
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
+from jllm.cuda.blocks32 import Blocks32Weight  # noqa: E402
 from jllm.cuda.matvec import matvec  # noqa: E402
 from jllm.cuda.q4_k import Q4KWeight  # noqa: E402
 from jllm.cuda.q6_k import Q6KWeight  # noqa: E402
 from jllm.gguf.quants import dequantize  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-# type -> (device layout, bytes a block in the file, where its f16 scale(s) sit, device bytes a block)
-TYPES = {T.Q4_K: (Q4KWeight, 144, slice(0, 4), 148), T.Q6_K: (Q6KWeight, 210, slice(208, 210), 210)}
+
+
+def _small(kind):
+    return lambda raw, shape, device="cpu": Blocks32Weight.from_gguf(raw, kind, shape, device)
+
+
+# type -> (device layout, values a block, bytes a block in the file, where its f16 scale(s) sit, device bytes a block)
+TYPES = {T.Q4_K: (Q4KWeight.from_gguf, 256, 144, slice(0, 4), 148),
+         T.Q6_K: (Q6KWeight.from_gguf, 256, 210, slice(208, 210), 210),
+         T.Q4_0: (_small(T.Q4_0), 32, 18, slice(0, 2), 18),
+         T.Q5_0: (_small(T.Q5_0), 32, 22, slice(0, 2), 22),
+         T.Q8_0: (_small(T.Q8_0), 32, 34, slice(0, 2), 34)}
 
 
 def random_blocks(kind, n: int, k: int, seed: int = 0) -> torch.Tensor:
     """Random bytes of n x k values of `kind`: random codes and scale bytes, small finite f16 factors."""
-    _, size, halves, _ = TYPES[kind]
+    _, per, size, halves, _ = TYPES[kind]
     g = torch.Generator().manual_seed(seed)
-    nb = n * k // 256
+    nb = n * k // per
     b = torch.randint(0, 256, (nb, size), generator=g, dtype=torch.uint8)
     count = (halves.stop - halves.start) // 2
     b[:, halves] = (torch.rand(nb, count, generator=g) * 0.02 + 0.001).to(torch.float16).view(torch.uint8)
@@ -36,16 +47,16 @@ def random_blocks(kind, n: int, k: int, seed: int = 0) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind", list(TYPES), ids=lambda t: t.name)
 def test_layout_is_near_the_files_size_and_checks_its_input(kind):
-    cls, size, _, device_size = TYPES[kind]
+    build, per, _, _, device_size = TYPES[kind]
     n, k = 8, 512
     raw = random_blocks(kind, n, k)
-    w = cls.from_gguf(raw, (n, k))
-    assert w.shape == (n, k) and w.nbytes() == n * (k // 256) * device_size
+    w = build(raw, (n, k))
+    assert w.shape == (n, k) and w.nbytes() == n * (k // per) * device_size
     assert w.nbytes() / raw.numel() < 1.03
-    with pytest.raises(ValueError, match="multiple of 256"):
-        cls.from_gguf(raw, (n, k + 128))
+    with pytest.raises(ValueError, match=f"multiple of {per}"):
+        build(raw, (n, k + per // 2))
     with pytest.raises(ValueError, match="bytes"):
-        cls.from_gguf(raw[:-1], (n, k))
+        build(raw[:-1], (n, k))
 
 
 @pytest.mark.parametrize("kind", list(TYPES), ids=lambda t: t.name)
@@ -54,7 +65,7 @@ def test_matvec_matches_the_cpu_dequantization(kind, n, k):
     raw = random_blocks(kind, n, k, seed=n)
     ref_w = dequantize(raw.numpy(), kind, (n, k)).double()
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(1))
-    y = matvec(x.to(DEV), TYPES[kind][0].from_gguf(raw, (n, k), DEV), block_n=16).cpu()
+    y = matvec(x.to(DEV), TYPES[kind][0](raw, (n, k), DEV), block_n=16).cpu()
     want = x.double() @ ref_w.T
     assert y.shape == (3, n) and y.dtype == torch.float32
     assert torch.allclose(y.double(), want, rtol=1e-5, atol=1e-4 * want.abs().max().item())
@@ -63,7 +74,7 @@ def test_matvec_matches_the_cpu_dequantization(kind, n, k):
 @pytest.mark.parametrize("kind", list(TYPES), ids=lambda t: t.name)
 def test_each_row_is_its_own_bitwise_whatever_the_rows_beside_it(kind):
     n, k = 24, 512
-    w = TYPES[kind][0].from_gguf(random_blocks(kind, n, k, seed=3), (n, k), DEV)
+    w = TYPES[kind][0](random_blocks(kind, n, k, seed=3), (n, k), DEV)
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(2)).to(DEV)
     together = matvec(x, w)
     for i in range(5):
@@ -73,3 +84,8 @@ def test_each_row_is_its_own_bitwise_whatever_the_rows_beside_it(kind):
         matvec(x[:, :256], w)
     with pytest.raises(TypeError, match="no GPU kernel"):
         matvec(x, object())
+
+
+def test_a_type_the_32_value_layout_does_not_hold_is_refused():
+    with pytest.raises(ValueError, match="Q4_K is not a 32-value block type"):
+        Blocks32Weight.from_gguf(random_blocks(T.Q4_K, 1, 256), T.Q4_K, (1, 256))

@@ -1,0 +1,97 @@
+"""The GGUF block types of 32 values (Q4_0, Q5_0, Q8_0) on the GPU at their file size, and the Triton kernel
+of y = x W^T over them (see q4_k.py for the row-independence this keeps). The 0.5B draft model's matrices are
+mostly Q5_0 and Q8_0, and an EAGLE-3 head's are Q4_0.
+
+Layout (`Blocks32Weight.from_gguf`): each block's f16 scale d apart, d [N, K/32], and its codes as the file
+has them: Q8_0 int8 [N, K]; Q4_0 qs [N, K/2] (byte l of a block: value l in the low nibble, value 16 + l in
+the high one); Q5_0 the same qs plus qh [N, K/32] uint32 (bit i: the fifth bit of value i). Values, in
+float32 as jllm.gguf.quants decodes them: Q8_0 q * d, Q4_0 (q - 8) * d, Q5_0 (q - 16) * d.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from gguf import GGMLQuantizationType as T
+
+BLOCK_BYTES = {T.Q4_0: 18, T.Q5_0: 22, T.Q8_0: 34}
+KIND = {T.Q4_0: 0, T.Q5_0: 1, T.Q8_0: 2}          # the kernel's constexpr switch
+
+
+@dataclass
+class Blocks32Weight:
+    kind: T
+    d: torch.Tensor                 # float16 [N, K / 32]
+    qs: torch.Tensor                # Q8_0: int8 [N, K]; Q4_0, Q5_0: uint8 [N, K / 2]
+    qh: torch.Tensor | None = None  # Q5_0: int32 [N, K / 32] (the file's uint32 bits)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.d.shape[0], self.d.shape[1] * 32
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.d, self.qs, self.qh) if t is not None)
+
+    @classmethod
+    def from_gguf(cls, raw: torch.Tensor, kind: T, shape: tuple[int, int],
+                  device: str | torch.device = "cpu") -> "Blocks32Weight":
+        """raw: the tensor's bytes (uint8) of type `kind`, shape (N, K) -> the device layout."""
+        if kind not in BLOCK_BYTES:
+            raise ValueError(f"{kind.name} is not a 32-value block type this layout holds")
+        n, k = shape
+        if k % 32:
+            raise ValueError(f"a {kind.name} row holds a multiple of 32 values, not {k}")
+        nb, size = k // 32, BLOCK_BYTES[kind]
+        b = torch.as_tensor(raw, dtype=torch.uint8).reshape(-1)
+        if b.numel() != n * nb * size:
+            raise ValueError(f"{b.numel()} bytes for a {kind.name} tensor of {n} x {k} (want {n * nb * size})")
+        b = b.view(n, nb, size)
+        d = b[:, :, :2].contiguous().view(torch.float16).reshape(n, nb).to(device)
+        if kind == T.Q8_0:
+            return cls(kind, d, b[:, :, 2:].contiguous().view(torch.int8).reshape(n, k).to(device))
+        if kind == T.Q4_0:
+            return cls(kind, d, b[:, :, 2:].reshape(n, nb * 16).contiguous().to(device))
+        qh = b[:, :, 2:6].contiguous().view(torch.int32).reshape(n, nb).to(device)
+        return cls(kind, d, b[:, :, 6:].reshape(n, nb * 16).contiguous().to(device), qh)
+
+
+@triton.jit
+def _blocks32_matvec(x_ptr, d_ptr, qs_ptr, qh_ptr, y_ptr, N, K, NB, KIND: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_n = tl.program_id(0)
+    m = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    live = rows < N
+    lane = tl.arange(0, 16)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for kb in range(0, NB):
+        d = tl.load(d_ptr + rows * NB + kb, mask=live, other=0.0).to(tl.float32)
+        if KIND == 2:                                          # Q8_0: two halves of 16 int8 codes
+            for h in tl.static_range(2):
+                q = tl.load(qs_ptr + rows[:, None] * K + kb * 32 + h * 16 + lane[None, :], mask=live[:, None],
+                            other=0).to(tl.float32)
+                x = tl.load(x_ptr + m * K + kb * 32 + h * 16 + lane).to(tl.float32)
+                acc += tl.sum((q * d[:, None]) * x[None, :], axis=1)
+        else:                                                  # Q4_0 / Q5_0: low nibbles, then high ones
+            b = tl.load(qs_ptr + rows[:, None] * (NB * 16) + kb * 16 + lane[None, :], mask=live[:, None], other=0)
+            if KIND == 1:
+                qh = tl.load(qh_ptr + rows * NB + kb, mask=live, other=0)
+            for h in tl.static_range(2):
+                q = (b >> (4 * h)) & 15
+                if KIND == 1:
+                    q = q | (((qh[:, None] >> (lane[None, :] + 16 * h)) & 1) << 4)
+                    code = q.to(tl.float32) - 16.0
+                else:
+                    code = q.to(tl.float32) - 8.0
+                x = tl.load(x_ptr + m * K + kb * 32 + h * 16 + lane).to(tl.float32)
+                acc += tl.sum((code * d[:, None]) * x[None, :], axis=1)
+    tl.store(y_ptr + m * N + rows, acc, mask=live)
+
+
+def launch(x: torch.Tensor, w: Blocks32Weight, y: torch.Tensor, block_n: int) -> None:
+    n, k = w.shape
+    grid = (triton.cdiv(n, block_n), x.shape[0])
+    qh = w.qh if w.qh is not None else w.d                   # unread unless Q5_0
+    _blocks32_matvec[grid](x, w.d, w.qs, qh, y, n, k, k // 32, KIND=KIND[w.kind], BLOCK_N=block_n)
