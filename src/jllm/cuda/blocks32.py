@@ -17,6 +17,8 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType as T
 
+from jllm.cuda.layout import file_blocks, nbytes
+
 BLOCK_BYTES = {T.Q4_0: 18, T.Q5_0: 22, T.Q8_0: 34}
 KIND = {T.Q4_0: 0, T.Q5_0: 1, T.Q8_0: 2}          # the kernel's constexpr switch
 
@@ -33,7 +35,7 @@ class Blocks32Weight:
         return self.d.shape[0], self.d.shape[1] * 32
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.d, self.qs, self.qh) if t is not None)
+        return nbytes(self.d, self.qs, self.qh)
 
     @classmethod
     def from_gguf(cls, raw: torch.Tensor, kind: T, shape: tuple[int, int],
@@ -41,14 +43,9 @@ class Blocks32Weight:
         """raw: the tensor's bytes (uint8) of type `kind`, shape (N, K) -> the device layout."""
         if kind not in BLOCK_BYTES:
             raise ValueError(f"{kind.name} is not a 32-value block type this layout holds")
-        n, k = shape
-        if k % 32:
-            raise ValueError(f"a {kind.name} row holds a multiple of 32 values, not {k}")
-        nb, size = k // 32, BLOCK_BYTES[kind]
-        b = torch.as_tensor(raw, dtype=torch.uint8).reshape(-1)
-        if b.numel() != n * nb * size:
-            raise ValueError(f"{b.numel()} bytes for a {kind.name} tensor of {n} x {k} (want {n * nb * size})")
-        b = b.view(n, nb, size)
+        b = file_blocks(raw, kind.name, shape, 32, BLOCK_BYTES[kind])
+        n, nb = b.shape[:2]
+        k = nb * 32
         d = b[:, :, :2].contiguous().view(torch.float16).reshape(n, nb).to(device)
         if kind == T.Q8_0:
             return cls(kind, d, b[:, :, 2:].contiguous().view(torch.int8).reshape(n, k).to(device))

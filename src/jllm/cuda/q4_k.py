@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from jllm.cuda.layout import file_blocks, nbytes
 from jllm.gguf.quants import k_scale_codes
 
 BLOCK_BYTES = 144          # one Q4_K super-block in the file
@@ -43,19 +44,14 @@ class Q4KWeight:
         return self.qs.shape[0], self.qs.shape[1] * 2
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.dmin, self.sc, self.mn))
+        return nbytes(self.qs, self.d, self.dmin, self.sc, self.mn)
 
     @classmethod
     def from_gguf(cls, raw: torch.Tensor, shape: tuple[int, int], device: str | torch.device = "cpu") -> "Q4KWeight":
         """raw: the tensor's Q4_K bytes (uint8, N * K / 256 * 144 of them), shape (N, K) -> the device layout."""
-        n, k = shape
-        if k % BLOCK_VALUES:
-            raise ValueError(f"a Q4_K row holds a multiple of {BLOCK_VALUES} values, not {k}")
-        nb = k // BLOCK_VALUES
-        b = torch.as_tensor(raw, dtype=torch.uint8).reshape(-1)
-        if b.numel() != n * nb * BLOCK_BYTES:
-            raise ValueError(f"{b.numel()} bytes for a Q4_K tensor of {n} x {k} (want {n * nb * BLOCK_BYTES})")
-        b = b.view(n * nb, BLOCK_BYTES)
+        b = file_blocks(raw, "Q4_K", shape, BLOCK_VALUES, BLOCK_BYTES)
+        n, nb = b.shape[:2]
+        b = b.reshape(n * nb, BLOCK_BYTES)
         d, dmin, sc, mn = k_scale_codes(b)
         return cls(qs=b[:, 16:].reshape(n, nb * 128).contiguous().to(device),
                    d=d.to(torch.float16).view(n, nb).to(device), dmin=dmin.to(torch.float16).view(n, nb).to(device),

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from jllm.cuda.layout import file_blocks, nbytes
+
 BLOCK_BYTES = 210
 BLOCK_VALUES = 256
 
@@ -33,19 +35,13 @@ class Q6KWeight:
         return self.ql.shape[0], self.ql.shape[1] * 2
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.ql, self.qh, self.sc, self.d))
+        return nbytes(self.ql, self.qh, self.sc, self.d)
 
     @classmethod
     def from_gguf(cls, raw: torch.Tensor, shape: tuple[int, int], device: str | torch.device = "cpu") -> "Q6KWeight":
         """raw: the tensor's Q6_K bytes (uint8, N * K / 256 * 210 of them), shape (N, K) -> the device layout."""
-        n, k = shape
-        if k % BLOCK_VALUES:
-            raise ValueError(f"a Q6_K row holds a multiple of {BLOCK_VALUES} values, not {k}")
-        nb = k // BLOCK_VALUES
-        b = torch.as_tensor(raw, dtype=torch.uint8).reshape(-1)
-        if b.numel() != n * nb * BLOCK_BYTES:
-            raise ValueError(f"{b.numel()} bytes for a Q6_K tensor of {n} x {k} (want {n * nb * BLOCK_BYTES})")
-        b = b.view(n, nb, BLOCK_BYTES)
+        b = file_blocks(raw, "Q6_K", shape, BLOCK_VALUES, BLOCK_BYTES)
+        n, nb = b.shape[:2]
         return cls(ql=b[:, :, :128].reshape(n, nb * 128).contiguous().to(device),
                    qh=b[:, :, 128:192].reshape(n, nb * 64).contiguous().to(device),
                    sc=b[:, :, 192:208].contiguous().view(torch.int8).to(device),
