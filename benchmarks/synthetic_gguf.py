@@ -23,14 +23,32 @@ SHAPES = {
 }
 
 
+BLOCK_TYPES = {"q4_0": gguf.GGMLQuantizationType.Q4_0, "q8_0": gguf.GGMLQuantizationType.Q8_0}
+BLOCKS = {"q4_0": (18, 4.6), "q8_0": (34, 74.0)}        # bytes a block, the std of its codes
+
+
 def write(path: str, shape: str, dtype: str = "f16", seed: int = 0) -> None:
     arch, n_layers, hidden, ffn, heads, kv_heads, vocab, tied = SHAPES[shape]
     head_dim = hidden // heads
     rng = np.random.default_rng(seed)
     np_dtype = np.float16 if dtype == "f16" else np.float32
+    blocks = BLOCKS.get(dtype)
 
     def mat(rows: int, cols: int, std: float) -> np.ndarray:
-        return (rng.standard_normal((rows, cols), dtype=np.float32) * std).astype(np_dtype)
+        if blocks is None:
+            return (rng.standard_normal((rows, cols), dtype=np.float32) * std).astype(np_dtype)
+        # random codes of a 32-value block type, each block's f16 scale set for about `std` (a speed figure
+        # needs the type's bytes and layout, not trained values)
+        size, code_std = blocks
+        raw = rng.integers(0, 256, (rows, cols // 32, size), dtype=np.uint8)
+        raw[:, :, :2] = np.full((rows, cols // 32, 1), std / code_std, dtype=np.float16).view(np.uint8)
+        return raw.reshape(rows, -1)
+
+    def add(name: str, rows: int, cols: int, std: float) -> None:
+        if blocks is None:
+            w.add_tensor(name, mat(rows, cols, std))
+        else:
+            w.add_tensor(name, mat(rows, cols, std), raw_dtype=BLOCK_TYPES[dtype])
 
     w = gguf.GGUFWriter(path, arch)
     w.add_name(f"synthetic {shape}")
@@ -56,24 +74,24 @@ def write(path: str, shape: str, dtype: str = "f16", seed: int = 0) -> None:
     w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     std = 1.0 / np.sqrt(hidden)
-    w.add_tensor("token_embd.weight", mat(vocab, hidden, 1.0))
+    add("token_embd.weight", vocab, hidden, 1.0)
     for i in range(n_layers):
         p = f"blk.{i}."
         w.add_tensor(p + "attn_norm.weight", np.ones(hidden, dtype=np.float32))
-        w.add_tensor(p + "attn_q.weight", mat(hidden, hidden, std))
-        w.add_tensor(p + "attn_k.weight", mat(kv_heads * head_dim, hidden, std))
-        w.add_tensor(p + "attn_v.weight", mat(kv_heads * head_dim, hidden, std))
+        add(p + "attn_q.weight", hidden, hidden, std)
+        add(p + "attn_k.weight", kv_heads * head_dim, hidden, std)
+        add(p + "attn_v.weight", kv_heads * head_dim, hidden, std)
         w.add_tensor(p + "attn_q.bias", np.zeros(hidden, dtype=np.float32))
         w.add_tensor(p + "attn_k.bias", np.zeros(kv_heads * head_dim, dtype=np.float32))
         w.add_tensor(p + "attn_v.bias", np.zeros(kv_heads * head_dim, dtype=np.float32))
-        w.add_tensor(p + "attn_output.weight", mat(hidden, hidden, std))
+        add(p + "attn_output.weight", hidden, hidden, std)
         w.add_tensor(p + "ffn_norm.weight", np.ones(hidden, dtype=np.float32))
-        w.add_tensor(p + "ffn_gate.weight", mat(ffn, hidden, std))
-        w.add_tensor(p + "ffn_up.weight", mat(ffn, hidden, std))
-        w.add_tensor(p + "ffn_down.weight", mat(hidden, ffn, 1.0 / np.sqrt(ffn)))
+        add(p + "ffn_gate.weight", ffn, hidden, std)
+        add(p + "ffn_up.weight", ffn, hidden, std)
+        add(p + "ffn_down.weight", hidden, ffn, 1.0 / np.sqrt(ffn))
     w.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
     if not tied:
-        w.add_tensor("output.weight", mat(vocab, hidden, std))
+        add("output.weight", vocab, hidden, std)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -84,7 +102,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")
     ap.add_argument("--shape", default="qwen2.5-1.5b", choices=list(SHAPES))
-    ap.add_argument("--dtype", default="f16", choices=["f16", "f32"])
+    ap.add_argument("--dtype", default="f16", choices=["f16", "f32", *BLOCKS],
+                    help="q4_0 / q8_0: random blocks of that type (for speed on the GPU's blocks precision)")
     a = ap.parse_args()
     write(a.out, a.shape, a.dtype)
 

@@ -89,3 +89,44 @@ def test_each_row_is_its_own_bitwise_whatever_the_rows_beside_it(kind):
 def test_a_type_the_32_value_layout_does_not_hold_is_refused():
     with pytest.raises(ValueError, match="Q4_K is not a 32-value block type"):
         Blocks32Weight.from_gguf(random_blocks(T.Q4_K, 1, 256), T.Q4_K, (1, 256))
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0], ids=lambda t: t.name)
+def test_blocks_precision_runs_a_model_as_the_exact_path_does(qtype, tmp_path):
+    """The `blocks` precision end to end: a tiny qwen2 in a block type, its logits against the exact path's
+    over the same file; a batched pass's rows are those of passes over each token's prefix alone, bitwise,
+    in the linear layers (the attention here is torch's)."""
+    from jllm.model.loader import load_model
+    from synthetic import write_tiny_model
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_model(path, "qwen2", qtype=qtype)
+    ids = torch.arange(3, 15)
+    exact = load_model(path, device="cpu", precision="exact", cache_weights=False)
+    blocks = load_model(path, device=DEV, precision="blocks", cache_weights=False)
+    a = exact.forward(ids, exact.new_cache(32))
+    b = blocks.forward(ids.to(DEV), blocks.new_cache(32)).cpu()
+    assert ((a - b).abs().max() / a.abs().max()).item() < 1e-4
+    lin = blocks.w.layers[0].gate_up
+    x = torch.randn(4, lin.in_features).to(DEV)
+    assert torch.equal(lin(x)[2:3], lin(x[2:3]))
+    assert blocks.w.nbytes() < exact.w.nbytes() / 3
+    # jllm plan's budget of the precision: the matrices as loaded, plus the f32 vectors
+    from jllm.gguf.reader import read_gguf
+    from jllm.plan import model_budget
+
+    g = read_gguf(path)
+    vectors = sum(t.n_elements * 4 for t in g.tensors.values() if len(t.shape) == 1)
+    assert model_budget(g, "blocks", 32).weights == blocks.w.nbytes() + vectors
+
+
+def test_blocks_precision_is_refused_where_it_cannot_run(monkeypatch, tmp_path):
+    from jllm.errors import JllmError
+    from jllm.model.loader import load_model
+    from synthetic import write_tiny_model
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_model(path, "qwen2", qtype=T.Q8_0)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(JllmError, match="precision blocks needs a CUDA device"):
+        load_model(path, device="cpu", precision="blocks", cache_weights=False)

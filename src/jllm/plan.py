@@ -42,6 +42,8 @@ def model_budget(g: GGUFFile, precision: str, ctx: int, output_rows: int | None 
     kv, scratch = _kv(cfg, ctx, precision), _scratch(cfg, ctx, output_rows, verify_tokens)
     if precision in ("native", "native4"):
         return Budget(g.path.name, _native_weights(g, cfg, output_rows, precision == "native4"), kv, scratch)
+    if precision == "blocks":
+        return Budget(g.path.name, _blocks_weights(g, cfg, output_rows), kv, scratch)
     per = BYTES_PER_WEIGHT[precision]
     scale_bytes = 4 if per == 1 else 0              # int8: one f32 scale per output row
     weights = 0
@@ -57,6 +59,33 @@ def model_budget(g: GGUFFile, precision: str, ctx: int, output_rows: int | None 
         rows = min(cfg.vocab_size, output_rows or cfg.vocab_size)
         weights += rows * (cfg.hidden * per + scale_bytes)
     return Budget(g.path.name, weights, kv, scratch)
+
+
+def _blocks_weights(g: GGUFFile, cfg, output_rows: int | None) -> int:
+    """The blocks precision's device bytes (jllm/cuda): a matrix of a block type at its file size (Q4_K: 148 of
+    144 bytes a block, its header unpacked), another type in bf16; vectors in f32; the embedding stays on the
+    host (read row by row), and a tied output is a copy of it."""
+    from gguf import GGMLQuantizationType as T
+
+    def matrix(t, rows):
+        per_row = t.nbytes // t.shape[0]
+        if t.ggml_type == T.Q4_K:
+            return rows * per_row * 148 // 144
+        if t.ggml_type in (T.Q6_K, T.Q4_0, T.Q5_0, T.Q8_0):
+            return rows * per_row
+        return rows * t.shape[1] * 2
+
+    weights = 0
+    for name, t in g.tensors.items():
+        if len(t.shape) == 1:
+            weights += t.n_elements * 4
+        elif name != "token_embd.weight":
+            rows = min(t.shape[0], output_rows) if name == "output.weight" and output_rows else t.shape[0]
+            weights += matrix(t, rows)
+    if cfg.tied_embeddings:
+        t = g.tensors["token_embd.weight"]
+        weights += matrix(t, min(t.shape[0], output_rows or t.shape[0]))
+    return weights
 
 
 def _kv(cfg, ctx: int, precision: str) -> int:

@@ -35,7 +35,8 @@ from jllm.model.qlinear import PackedMatrix, QLinear, pack_gguf_rows
 # int8-fast: int8 weights, one-pass int8 activations (half the GEMM rows: faster prefill and verify,
 #            ~0.02 nats KL from exact)
 # bf16 / f16: half-precision weights (CUDA)
-PRECISIONS = ("exact", "native", "native4", "int8", "int8-fast", "bf16", "f16")
+# blocks: the GGUF's own blocks on the GPU with Triton kernels over them (jllm/cuda; CUDA, work in progress)
+PRECISIONS = ("exact", "native", "native4", "int8", "int8-fast", "bf16", "f16", "blocks")
 INT8 = ("int8", "int8-fast")
 NATIVE = ("native", "native4")
 CONVERTED = INT8 + NATIVE               # precisions whose converted matrices are cached on disk
@@ -125,6 +126,9 @@ class _Builder:
 
             raise JllmError(f"precision {precision} needs jllm's CPU kernels: {why_unavailable() or 'not on this device'}; "
                             "use --precision int8")
+        if precision == "blocks":
+            from jllm.cuda.linear import check_device
+            check_device(device)
         self.gguf, self.precision, self.device = gguf, precision, device
         self.reader = self.writer = None
         self.pages = HugePages()                # the kernel's packed weights: streamed every step
@@ -220,6 +224,25 @@ class _Builder:
                 self.writer.add(key + part, t)
         return QLinear(data, offsets, kinds, rows, cols, bias)
 
+    def _blocks_matrix(self, names: list[str], max_rows: int | None, bias: torch.Tensor | None):
+        """The `blocks` precision: one part per matrix, in its own block type on the device (jllm/cuda), or
+        bf16 for a type without a GPU kernel; of a single matrix only its first max_rows rows when given."""
+        from jllm.cuda.linear import BLOCK_TYPES, BlocksLinear, device_weight
+
+        parts = []
+        for name in names:
+            info = self._matrix_info(name)
+            rows, cols = info.shape
+            if max_rows:
+                rows = min(rows, max_rows)
+            if info.ggml_type in BLOCK_TYPES:
+                raw = self.gguf.raw(name).reshape(info.shape[0], -1)[:rows]
+                parts.append(device_weight(raw, info.ggml_type, (rows, cols), self.device))
+            else:
+                w = torch.cat([c.to(torch.bfloat16) for c in self._float_rows(name)])[:rows]
+                parts.append(w.to(self.device))
+        return BlocksLinear(parts, bias)
+
     def _matrix_info(self, name: str):
         if not self.has(name):
             raise JllmError(f"{self.gguf.path}: tensor {name!r} is missing")
@@ -241,6 +264,8 @@ class _Builder:
             bias = torch.cat(parts)
         if self.precision in NATIVE:
             return self._native_matrix(names, max_rows, bias)
+        if self.precision == "blocks":
+            return self._blocks_matrix(names, max_rows, bias)
         if self.precision in INT8:
             q, scale = self._int8_matrix(names, max_rows)
             return Int8Linear(q, scale, bias, residual=self.precision == "int8")
