@@ -130,3 +130,22 @@ def test_blocks_precision_is_refused_where_it_cannot_run(monkeypatch, tmp_path):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(JllmError, match="precision blocks needs a CUDA device"):
         load_model(path, device="cpu", precision="blocks", cache_weights=False)
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="the GPU's attention path runs on CUDA only (the CPU's kernel is "
+                    "tested in test_attention_kernel.py)")
+def test_blocks_model_batched_pass_is_single_steps_bitwise_on_the_gpu(tmp_path):
+    """On the device, a forward over 6 tokens gives each row the logits of decoding it alone."""
+    from jllm.model.loader import load_model
+    from synthetic import write_tiny_model
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_model(path, "qwen2", qtype=T.Q8_0)
+    m = load_model(path, device="cuda", precision="blocks", cache_weights=False)
+    assert m.block_attention
+    ids = torch.arange(3, 9, device="cuda")
+    batched = m.forward(ids, m.new_cache(16))
+    cache = m.new_cache(16)
+    m.forward(ids[:2], cache)
+    for t in range(2, 6):
+        assert torch.equal(m.forward(ids[t:t + 1], cache)[0], batched[t])

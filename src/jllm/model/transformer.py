@@ -63,6 +63,11 @@ class Transformer:
         # the exact and int8 precisions, which the oracles and comparisons use). Fixed at load: the Python
         # layers read the stack's cache with the same kernels.
         self.kv_dtype = kv_dtype(self.stack is not None)
+        # the blocks precision on a GPU: attention by jllm.cuda.attention, each (query, head) over exactly its
+        # keys, as the CPU kernel does, so that batched passes are bitwise single steps there too
+        from jllm.cuda.linear import BlocksLinear
+
+        self.block_attention = device.type == "cuda" and isinstance(weights.output, BlocksLinear)
 
     def _native_stack(self):
         from jllm.model.qlinear import GROUP_BYTES, QLinear
@@ -189,6 +194,9 @@ class Transformer:
         T = q.shape[0]
         if self.kernels is not None:                      # jllm's CPU kernel: same contract, one call
             return self.kernels.attention(q, cache.k[layer], cache.v[layer], start, window, c.attn_scale)
+        if self.block_attention:                          # the GPU's, same contract (jllm.cuda.attention)
+            from jllm.cuda.attention import attention
+            return attention(q, cache.k[layer], cache.v[layer], start, window, c.attn_scale)
         K, V = cache.k[layer].unsqueeze(0), cache.v[layer].unsqueeze(0)       # [1, Hk, max, hd]
         if T > 1 and q.device.type != "cpu":
             return self._attention_batched(q, K, V, start, window)

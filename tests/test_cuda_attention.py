@@ -1,0 +1,55 @@
+"""The GPU attention (jllm.cuda.attention): each (query, head) over exactly its keys, as the per-query
+reference computes it, and bitwise the same whatever other queries share the call. Triton's interpreter runs it
+on a machine without CUDA; without triton the tests skip."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")          # before triton is imported
+pytest.importorskip("triton", reason="triton is not installed (it comes with torch's CUDA builds)")
+
+from jllm.cuda.attention import attention  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def reference(q, k, v, start, window, scale):
+    """One query at a time over its keys lo..p, torch's SDPA in float64."""
+    T, H, hd = q.shape
+    out = torch.empty(T, H, hd, dtype=torch.float64)
+    for t in range(T):
+        p = start + t
+        lo = max(0, p - window + 1) if window else 0
+        o = F.scaled_dot_product_attention(q[t].double().view(1, H, 1, hd), k[None, :, lo:p + 1].double(),
+                                           v[None, :, lo:p + 1].double(), scale=scale,
+                                           enable_gqa=H != k.shape[0])
+        out[t] = o[0, :, 0]
+    return out.view(T, H * hd)
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_attention_matches_the_per_query_reference(window):
+    g = torch.Generator().manual_seed(window)
+    T, H, Hk, hd, max_t, start = 4, 6, 2, 32, 160, 70                 # keys cross blocks of 64
+    q = torch.randn(T, H, hd, generator=g)
+    k, v = torch.randn(Hk, max_t, hd, generator=g), torch.randn(Hk, max_t, hd, generator=g)
+    got = attention(q.to(DEV), k.to(DEV), v.to(DEV), start, window, hd ** -0.5).cpu()
+    assert torch.allclose(got.double(), reference(q, k, v, start, window, hd ** -0.5), atol=1e-5)
+
+
+def test_each_query_is_its_own_bitwise():
+    g = torch.Generator().manual_seed(9)
+    T, H, Hk, hd, max_t, start = 5, 4, 1, 16, 96, 40
+    q = torch.randn(T, H, hd, generator=g).to(DEV)
+    k, v = torch.randn(Hk, max_t, hd, generator=g).to(DEV), torch.randn(Hk, max_t, hd, generator=g).to(DEV)
+    together = attention(q, k, v, start, 0, 0.25)
+    for t in range(T):
+        assert torch.equal(attention(q[t:t + 1], k, v, start + t, 0, 0.25), together[t:t + 1])
+    with pytest.raises(ValueError, match="power of two"):
+        attention(q[:, :, :12], k[:, :, :12], v[:, :, :12], start, 0, 0.25)
+    with pytest.raises(ValueError, match="cache of 96"):
+        attention(q, k, v, 93, 0, 0.25)
