@@ -26,3 +26,15 @@ def test_cuda_bf16_engine_generates(tmp_path):
     assert len(res.token_ids) == 8
     sampled = eng.generate("hello", SamplingParams(max_tokens=8, temperature=0.8, seed=1))
     assert len(sampled.token_ids) == 8
+
+
+def test_cuda_bench_reports_the_devices_memory(tmp_path):
+    from jllm.bench import measure, print_table
+
+    path = tmp_path / "qwen2.gguf"
+    write_tiny_model(path, "qwen2")
+    eng = Engine(str(path), device="cuda", ctx_size=128)
+    r = measure(eng, prompt_tokens=16, decode_tokens=4, max_k=2, repeats=1)
+    g = r["gpu_memory"]
+    assert g["weights_mb"] > 0 and g["kv_mb"] > 0 and g["peak_mb"] >= g["weights_mb"] + g["kv_mb"]
+    print_table(r)

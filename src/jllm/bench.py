@@ -77,6 +77,12 @@ def measure(eng, prompt_tokens: int = 512, decode_tokens: int = 64, max_k: int =
             eng.target.rollback(base)
         ratios[k] = statistics.median(times)
     one = ratios[0]
+    gpu = None
+    if dev.type == "cuda":                  # the device's own memory: weights, the KV cache, the peak of a pass
+        cache = eng.target.cache
+        gpu = {"weights_mb": eng.model.w.nbytes() / 2**20,
+               "kv_mb": (cache.k.numel() * cache.k.element_size() + cache.v.numel() * cache.v.element_size()) / 2**20,
+               "peak_mb": torch.cuda.max_memory_allocated(dev) / 2**20, "kv_positions": cache.max_tokens}
     return {
         "model": str(eng.gguf.path.name), "precision": eng.precision, "device": str(dev),
         "threads": torch.get_num_threads(), "load_s": eng.load_ms / 1000.0,
@@ -84,6 +90,7 @@ def measure(eng, prompt_tokens: int = 512, decode_tokens: int = 64, max_k: int =
         "prompt_tokens": len(ids), "forward_ms": {k + 1: v * 1000 for k, v in ratios.items()},
         "verify_ratio": {k: ratios[k] / one for k in range(1, max_k + 1)},
         "weights_mb": eng.model.w.nbytes() / 2**20, "peak_rss_mb": _peak_rss_mb(),
+        **({"gpu_memory": gpu} if gpu else {}),
     }
 
 
@@ -92,6 +99,10 @@ def print_table(r: dict) -> None:
     print(f"{'load s':>10} {'decode tok/s':>13} {'prefill tok/s':>14} {'weights MB':>11} {'peak RSS MB':>12}")
     print(f"{r['load_s']:>10.2f} {r['decode_tok_s']:>13.2f} {r['prefill_tok_s']:>14.1f} "
           f"{r['weights_mb']:>11.0f} {r['peak_rss_mb']:>12.0f}")
+    if "gpu_memory" in r:
+        g = r["gpu_memory"]
+        print(f"GPU memory: weights {g['weights_mb']:.0f} MB, KV cache {g['kv_mb']:.0f} MB ({g['kv_positions']} "
+              f"positions), peak allocated {g['peak_mb']:.0f} MB (the rest of it: scratch)")
     print(f"\n{'k':>3} {'tokens':>7} {'forward ms':>11} {'x decode step':>14}")
     for k, ratio in r["verify_ratio"].items():
         print(f"{k:>3} {k + 1:>7} {r['forward_ms'][k + 1]:>11.2f} {ratio:>14.2f}")
