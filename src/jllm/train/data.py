@@ -318,13 +318,13 @@ def follow_up_prompts(template, tokenizer, rows, rng: random.Random, share: floa
     for p, r, s, _ in rows:
         if s not in sources or not r or r[-1] not in tokenizer.eot_ids or rng.random() >= share:
             continue
-        if any(tokenizer.is_special(t) for t in r[:-1]):
+        reply = finished_text(r, tokenizer)
+        if reply is None:
             continue                                    # decoded and encoded again, it would become markup
         text = tokenizer.decode(p, skip_special=False)
         if not (text.startswith(head) and text.endswith(tail)):
             continue                                    # not a one-turn prompt of this template
         user = text[len(head):len(text) - len(tail)]
-        reply = tokenizer.decode(r[:-1], skip_special=False).strip()
         follow = rng.choice(FOLLOW_UPS + (CODE_FOLLOW_UPS if s == 1 else ())).format(
             human=rng.choice(HUMAN_LANGUAGES))
         out.append(tokenizer.encode(template.render(
@@ -351,6 +351,14 @@ def _batches(items: list, size: int):
         yield items[i:i + size]
 
 
+def finished_text(ids: list[int], tok) -> str | None:
+    """The text of a generated turn that ended with an end-of-turn token and holds no other special token (it
+    would come back as markup once decoded and encoded again), stripped; None for any other."""
+    if not ids or ids[-1] not in tok.eot_ids or any(tok.is_special(t) for t in ids[:-1]):
+        return None
+    return tok.decode(ids[:-1], skip_special=False).strip()
+
+
 def requests(target, n: int, batch: int, max_new: int, rng: random.Random, seed: int) -> list[str]:
     """n user requests written by the target itself (request_asks), sampled; unfinished, short and marked-up
     ones dropped, and those that talk about the request ("Certainly! Here is ...") rather than being it;
@@ -361,9 +369,8 @@ def requests(target, n: int, batch: int, max_new: int, rng: random.Random, seed:
     for i, part in enumerate(_batches(asks, max(batch, 1))):
         for ids in target.generate(part, max_new, sample=True, temperature=0.9, top_p=0.95, seed=seed + 7919 + i,
                                    rows=batch):
-            if not ids or ids[-1] not in tok.eot_ids or any(tok.is_special(t) for t in ids[:-1]):
-                continue
-            text = tok.decode(ids[:-1], skip_special=False).strip().strip('"').strip()
+            text = finished_text(ids, tok)
+            text = text.strip('"').strip() if text is not None else ""
             if len(text) >= 20 and not text.lower().startswith(PREAMBLES) and "---" not in text:
                 users.append(text)
     return users
@@ -380,10 +387,8 @@ def magpie_users(target, n: int, batch: int, max_new: int, seed: int) -> list[st
                                temperature=1.0, top_p=0.99, seed=seed + round_)
         round_ += 1
         for ids in outs:
-            if not ids or ids[-1] not in tok.eot_ids:
-                continue                                  # ran out of tokens: not a finished question
-            text = tok.decode(ids[:-1], skip_special=False).strip()
-            if len(text) >= 8 and not any(tok.is_special(t) for t in ids[:-1]):
+            text = finished_text(ids, tok)                 # None: ran out of tokens, or marked up
+            if text is not None and len(text) >= 8:
                 users.append(text)
     return users[:n]
 
@@ -414,9 +419,10 @@ def _finished_texts(rows, tok, source: int, first: int = 0, min_tokens: int = 60
     """The texts of the replies of `source` (rows[first:]) that ended their turn and are long enough."""
     out = []
     for p, r, s, _ in rows[first:]:
-        if s == source and len(r) >= min_tokens and r[-1] in tok.eot_ids and (want is None or want(p)) \
-                and not any(tok.is_special(t) for t in r[:-1]):
-            out.append(tok.decode(r[:-1], skip_special=False).strip())
+        if s == source and len(r) >= min_tokens and (want is None or want(p)):
+            text = finished_text(r, tok)
+            if text is not None:
+                out.append(text)
     return out
 
 
@@ -427,11 +433,11 @@ def generate(target, n_magpie: int, n_package: int, max_new: int = 512, batch: i
              n_requests: int = 0) -> Conversations:
     """Self-distilled conversations: the prompts of every source, the target's replies to them. In three
     rounds: magpie, package, writing, question and request prompts (magpie turns and requests written by the
-    target first); then the derived tasks over the finished writing, question and request replies and, for `follow_share` of the first round's finished replies, a second user turn
-    (FOLLOW_UPS); then the derived translations back into English. A time_limit (seconds for the replies)
-    gives the rounds 60, 28 and 12 % of it (80 and 20 % with follow-ups alone, all of it to the first round
-    with neither); within a round batches of like lengths run in a random order, so a cut keeps a sample of
-    every source, length and mode."""
+    target first); then the derived tasks over the finished writing, question and request replies and, for
+    `follow_share` of the first round's finished replies, a second user turn (FOLLOW_UPS); then the derived
+    translations back into English. A time_limit (seconds for the replies) gives the rounds 60, 28 and 12 %
+    of it (80 and 20 % with follow-ups alone, all of it to the first round with neither); within a round
+    batches of like lengths run in a random order, so a cut keeps a sample of every source, length and mode."""
     rng = random.Random(seed)
     tok, tpl = target.tokenizer, target.template
     t0 = time.perf_counter()
