@@ -1,6 +1,7 @@
-"""The GPU matvecs over GGUF blocks (jllm.cuda: Q4_K, Q6_K, Q4_0, Q5_0, Q8_0) against a bf16 matmul of the same matrix, at the
-Qwen2.5-1.5B target's shapes and the row counts of decode and verify: time per call, and the bytes a call
-reads over it (GB/s; the H200 streams ~4.8 TB/s). Random blocks: speed does not depend on the values.
+"""The GPU matvecs over GGUF blocks (jllm.cuda: Q4_K, Q6_K, Q4_0, Q5_0, Q8_0) against a bf16 matmul of the same
+matrix, at the Qwen2.5-1.5B target's shapes and the row counts of decode and verify: time per call, and the
+bytes a call reads over it (GB/s; the H200 streams ~4.8 TB/s). Random blocks: speed does not depend on the
+values.
 
     python benchmarks/cuda_matvec.py                    # on the GPU
     TRITON_INTERPRET=1 python benchmarks/cuda_matvec.py --tiny    # the CPU: that it runs, no figures worth reading
@@ -13,29 +14,17 @@ import time
 
 import torch
 
-from gguf import GGMLQuantizationType as T
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-from jllm.cuda.blocks32 import Blocks32Weight
+from jllm.cuda.linear import device_weight
 from jllm.cuda.matvec import matvec
-from jllm.cuda.q4_k import Q4KWeight
-from jllm.cuda.q6_k import Q6KWeight
 
 # (type, N, K): the 1.5B Q4_K_M's matrices, then the 0.5B draft's (Q5_0, Q8_0) and a head's (Q4_0)
 SHAPES = {"attn_q / attn_output": (T.Q4_K, 1536, 1536), "ffn_gate / ffn_up": (T.Q4_K, 8960, 1536),
           "ffn_down (Q4_K)": (T.Q4_K, 1536, 8960), "ffn_down (Q6_K)": (T.Q6_K, 1536, 8960),
           "output (Q6_K)": (T.Q6_K, 151936, 1536), "0.5B ffn_up (Q5_0)": (T.Q5_0, 4864, 896),
           "0.5B output (Q8_0)": (T.Q8_0, 151936, 896), "head output (Q4_0)": (T.Q4_0, 24576, 1536)}
-# type -> (values a block, bytes a block, where its f16 scale(s) sit)
-BLOCKS = {T.Q4_K: (256, 144, slice(0, 4)), T.Q6_K: (256, 210, slice(208, 210)), T.Q4_0: (32, 18, slice(0, 2)),
-          T.Q5_0: (32, 22, slice(0, 2)), T.Q8_0: (32, 34, slice(0, 2))}
-
-
-def build(kind, raw, shape, dev):
-    if kind == T.Q4_K:
-        return Q4KWeight.from_gguf(raw, shape, dev)
-    if kind == T.Q6_K:
-        return Q6KWeight.from_gguf(raw, shape, dev)
-    return Blocks32Weight.from_gguf(raw, kind, shape, dev)
+SCALES = {T.Q4_K: slice(0, 4), T.Q6_K: slice(208, 210)}          # where a block's f16 factors sit (else 0:2)
 
 
 def timed(fn, reps: int) -> float:
@@ -57,16 +46,17 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="one small shape, 2 reps (the interpreter)")
     a = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    shapes = {f"tiny {t.name}": (t, 32, 512) for t in BLOCKS} if a.tiny else SHAPES
+    shapes = {f"tiny {t.name}": (t, 32, 512) for t in (T.Q4_K, T.Q6_K, T.Q4_0, T.Q5_0, T.Q8_0)} if a.tiny else SHAPES
     reps = 2 if a.tiny else a.reps
     g = torch.Generator().manual_seed(0)
     print(f"{'matrix':<22} {'N x K':>12} {'rows':>4} {'block_n':>7} {'us':>9} {'GB/s':>7} {'bf16 us':>9}")
     for name, (kind, n, k) in shapes.items():
-        per, size, cut = BLOCKS[kind]
+        per, size = GGML_QUANT_SIZES[kind]
+        cut = SCALES.get(kind, slice(0, 2))
         raw = torch.randint(0, 256, (n * k // per, size), generator=g, dtype=torch.uint8)
         raw[:, cut] = (torch.rand(n * k // per, (cut.stop - cut.start) // 2, generator=g) * 0.01).to(
             torch.float16).view(torch.uint8)
-        w = build(kind, raw.reshape(-1), (n, k), dev)
+        w = device_weight(raw.reshape(-1), kind, (n, k), torch.device(dev))
         dense = torch.randn(n, k, generator=g).to(dev, torch.bfloat16)
         for m in a.rows:
             x = torch.randn(m, k, generator=g).to(dev)

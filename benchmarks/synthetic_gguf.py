@@ -23,8 +23,8 @@ SHAPES = {
 }
 
 
-BLOCK_TYPES = {"q4_0": gguf.GGMLQuantizationType.Q4_0, "q8_0": gguf.GGMLQuantizationType.Q8_0}
-BLOCKS = {"q4_0": (18, 4.6), "q8_0": (34, 74.0)}        # bytes a block, the std of its codes
+# --dtype of random blocks -> (the block type, the std of its codes)
+BLOCKS = {"q4_0": (gguf.GGMLQuantizationType.Q4_0, 4.6), "q8_0": (gguf.GGMLQuantizationType.Q8_0, 74.0)}
 
 
 def write(path: str, shape: str, dtype: str = "f16", seed: int = 0) -> None:
@@ -39,16 +39,17 @@ def write(path: str, shape: str, dtype: str = "f16", seed: int = 0) -> None:
             return (rng.standard_normal((rows, cols), dtype=np.float32) * std).astype(np_dtype)
         # random codes of a 32-value block type, each block's f16 scale set for about `std` (a speed figure
         # needs the type's bytes and layout, not trained values)
-        size, code_std = blocks
-        raw = rng.integers(0, 256, (rows, cols // 32, size), dtype=np.uint8)
-        raw[:, :, :2] = np.full((rows, cols // 32, 1), std / code_std, dtype=np.float16).view(np.uint8)
+        kind, code_std = blocks
+        values, size = gguf.GGML_QUANT_SIZES[kind]
+        raw = rng.integers(0, 256, (rows, cols // values, size), dtype=np.uint8)
+        raw[:, :, :2] = np.full((rows, cols // values, 1), std / code_std, dtype=np.float16).view(np.uint8)
         return raw.reshape(rows, -1)
 
     def add(name: str, rows: int, cols: int, std: float) -> None:
         if blocks is None:
             w.add_tensor(name, mat(rows, cols, std))
         else:
-            w.add_tensor(name, mat(rows, cols, std), raw_dtype=BLOCK_TYPES[dtype])
+            w.add_tensor(name, mat(rows, cols, std), raw_dtype=blocks[0])
 
     w = gguf.GGUFWriter(path, arch)
     w.add_name(f"synthetic {shape}")

@@ -14,24 +14,23 @@ pytest.importorskip("triton", reason="triton is not installed (it comes with tor
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
 from jllm.cuda.blocks32 import Blocks32Weight  # noqa: E402
+from jllm.cuda.linear import device_weight  # noqa: E402
 from jllm.cuda.matvec import matvec  # noqa: E402
-from jllm.cuda.q4_k import Q4KWeight  # noqa: E402
-from jllm.cuda.q6_k import Q6KWeight  # noqa: E402
 from jllm.gguf.quants import dequantize  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _small(kind):
-    return lambda raw, shape, device="cpu": Blocks32Weight.from_gguf(raw, kind, shape, device)
+def _build(kind):
+    return lambda raw, shape, device="cpu": device_weight(raw, kind, shape, torch.device(device))
 
 
 # type -> (device layout, values a block, bytes a block in the file, where its f16 scale(s) sit, device bytes a block)
-TYPES = {T.Q4_K: (Q4KWeight.from_gguf, 256, 144, slice(0, 4), 148),
-         T.Q6_K: (Q6KWeight.from_gguf, 256, 210, slice(208, 210), 210),
-         T.Q4_0: (_small(T.Q4_0), 32, 18, slice(0, 2), 18),
-         T.Q5_0: (_small(T.Q5_0), 32, 22, slice(0, 2), 22),
-         T.Q8_0: (_small(T.Q8_0), 32, 34, slice(0, 2), 34)}
+TYPES = {T.Q4_K: (_build(T.Q4_K), 256, 144, slice(0, 4), 148),
+         T.Q6_K: (_build(T.Q6_K), 256, 210, slice(208, 210), 210),
+         T.Q4_0: (_build(T.Q4_0), 32, 18, slice(0, 2), 18),
+         T.Q5_0: (_build(T.Q5_0), 32, 22, slice(0, 2), 22),
+         T.Q8_0: (_build(T.Q8_0), 32, 34, slice(0, 2), 34)}
 
 
 def random_blocks(kind, n: int, k: int, seed: int = 0) -> torch.Tensor:

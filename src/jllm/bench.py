@@ -78,11 +78,10 @@ def measure(eng, prompt_tokens: int = 512, decode_tokens: int = 64, max_k: int =
         ratios[k] = statistics.median(times)
     one = ratios[0]
     gpu = None
-    if dev.type == "cuda":                  # the device's own memory: weights, the KV cache, the peak of a pass
+    if dev.type == "cuda":                  # the device's own memory (beside weights_mb): the KV cache, the peak
         cache = eng.target.cache
-        gpu = {"weights_mb": eng.model.w.nbytes() / 2**20,
-               "kv_mb": (cache.k.numel() * cache.k.element_size() + cache.v.numel() * cache.v.element_size()) / 2**20,
-               "peak_mb": torch.cuda.max_memory_allocated(dev) / 2**20, "kv_positions": cache.max_tokens}
+        gpu = {"kv_mb": cache.nbytes() / 2**20, "kv_positions": cache.max_tokens,
+               "peak_mb": torch.cuda.max_memory_allocated(dev) / 2**20}
     return {
         "model": str(eng.gguf.path.name), "precision": eng.precision, "device": str(dev),
         "threads": torch.get_num_threads(), "load_s": eng.load_ms / 1000.0,
@@ -101,7 +100,7 @@ def print_table(r: dict) -> None:
           f"{r['weights_mb']:>11.0f} {r['peak_rss_mb']:>12.0f}")
     if "gpu_memory" in r:
         g = r["gpu_memory"]
-        print(f"GPU memory: weights {g['weights_mb']:.0f} MB, KV cache {g['kv_mb']:.0f} MB ({g['kv_positions']} "
+        print(f"GPU memory: weights {r['weights_mb']:.0f} MB, KV cache {g['kv_mb']:.0f} MB ({g['kv_positions']} "
               f"positions), peak allocated {g['peak_mb']:.0f} MB (the rest of it: scratch)")
     print(f"\n{'k':>3} {'tokens':>7} {'forward ms':>11} {'x decode step':>14}")
     for k, ratio in r["verify_ratio"].items():

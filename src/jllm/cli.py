@@ -21,7 +21,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("-m", "--model", default=DEFAULT_TARGET, help=f"alias or .gguf path (default {DEFAULT_TARGET})")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
-    p.add_argument("--precision", default=None, choices=["exact", "native", "native4", "int8", "int8-fast", "bf16", "f16", "blocks"],
+    p.add_argument("--precision", default=None,
+                   choices=["exact", "native", "native4", "int8", "int8-fast", "bf16", "f16", "blocks"],
                    help="compute representation (default: native on CPUs with AVX-512 VNNI or AVX2, else int8; "
                         "bf16 on CUDA)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")

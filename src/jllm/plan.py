@@ -62,18 +62,14 @@ def model_budget(g: GGUFFile, precision: str, ctx: int, output_rows: int | None 
 
 
 def _blocks_weights(g: GGUFFile, cfg, output_rows: int | None) -> int:
-    """The blocks precision's device bytes (jllm/cuda): a matrix of a block type at its file size (Q4_K: 148 of
-    144 bytes a block, its header unpacked), another type in bf16; vectors in f32; the embedding stays on the
-    host (read row by row), and a tied output is a copy of it."""
-    from gguf import GGMLQuantizationType as T
+    """The blocks precision's device bytes (jllm/cuda): a matrix of a block type in its device layout
+    (jllm.cuda.layout.device_bytes), another type in bf16; vectors in f32; the embedding stays on the host
+    (read row by row), and a tied output is a copy of it."""
+    from jllm.cuda.layout import BLOCK_TYPES, device_bytes
 
     def matrix(t, rows):
-        per_row = t.nbytes // t.shape[0]
-        if t.ggml_type == T.Q4_K:
-            return rows * per_row * 148 // 144
-        if t.ggml_type in (T.Q6_K, T.Q4_0, T.Q5_0, T.Q8_0):
-            return rows * per_row
-        return rows * t.shape[1] * 2
+        cols = t.shape[1]
+        return device_bytes(t.ggml_type, rows, cols) if t.ggml_type in BLOCK_TYPES else rows * cols * 2
 
     weights = 0
     for name, t in g.tensors.items():

@@ -19,8 +19,7 @@ from gguf import GGMLQuantizationType as T
 
 from jllm.cuda.layout import file_blocks, nbytes
 
-BLOCK_BYTES = {T.Q4_0: 18, T.Q5_0: 22, T.Q8_0: 34}
-KIND = {T.Q4_0: 0, T.Q5_0: 1, T.Q8_0: 2}          # the kernel's constexpr switch
+KIND = {T.Q4_0: 0, T.Q5_0: 1, T.Q8_0: 2}          # the types held here, and the kernel's constexpr switch
 
 
 @dataclass
@@ -41,9 +40,9 @@ class Blocks32Weight:
     def from_gguf(cls, raw: torch.Tensor, kind: T, shape: tuple[int, int],
                   device: str | torch.device = "cpu") -> "Blocks32Weight":
         """raw: the tensor's bytes (uint8) of type `kind`, shape (N, K) -> the device layout."""
-        if kind not in BLOCK_BYTES:
+        if kind not in KIND:
             raise ValueError(f"{kind.name} is not a 32-value block type this layout holds")
-        b = file_blocks(raw, kind.name, shape, 32, BLOCK_BYTES[kind])
+        b = file_blocks(raw, kind, shape)
         n, nb = b.shape[:2]
         k = nb * 32
         d = b[:, :, :2].contiguous().view(torch.float16).reshape(n, nb).to(device)

@@ -1,21 +1,33 @@
-"""What every device layout of GGUF blocks starts from: the tensor's bytes checked against its shape and cut
-into its blocks, and the bytes a layout holds on the device."""
+"""What every device layout of GGUF blocks starts from: which block types have one, the bytes they take on the
+device, the tensor's bytes checked against its shape and cut into its blocks. No triton here: `jllm plan`
+budgets the layouts from this alone."""
 
 from __future__ import annotations
 
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+BLOCK_TYPES = (T.Q4_K, T.Q6_K, T.Q4_0, T.Q5_0, T.Q8_0)     # the types with a device layout and a kernel
+UNPACKED = {T.Q4_K: 4}      # bytes a block gains on the device: Q4_K's 12-byte header unpacked to 16 (q4_k.py)
 
 
-def file_blocks(raw, type_name: str, shape: tuple[int, int], values: int, size: int) -> torch.Tensor:
-    """raw bytes of an (N, K) tensor of blocks of `values` values and `size` bytes -> uint8 [N, K / values, size];
+def device_bytes(ggml_type: T, rows: int, cols: int) -> int:
+    """The device bytes of an (rows, cols) matrix of one of BLOCK_TYPES."""
+    values, size = GGML_QUANT_SIZES[ggml_type]
+    return rows * (cols // values) * (size + UNPACKED.get(ggml_type, 0))
+
+
+def file_blocks(raw, ggml_type: T, shape: tuple[int, int]) -> torch.Tensor:
+    """raw bytes of an (N, K) tensor of `ggml_type` -> uint8 [N, K / values a block, bytes a block];
     ValueError in one line if K or the byte count do not fit."""
+    values, size = GGML_QUANT_SIZES[ggml_type]
     n, k = shape
     if k % values:
-        raise ValueError(f"a {type_name} row holds a multiple of {values} values, not {k}")
+        raise ValueError(f"a {ggml_type.name} row holds a multiple of {values} values, not {k}")
     nb = k // values
     b = torch.as_tensor(raw, dtype=torch.uint8).reshape(-1)
     if b.numel() != n * nb * size:
-        raise ValueError(f"{b.numel()} bytes for a {type_name} tensor of {n} x {k} (want {n * nb * size})")
+        raise ValueError(f"{b.numel()} bytes for a {ggml_type.name} tensor of {n} x {k} (want {n * nb * size})")
     return b.view(n, nb, size)
 
 

@@ -18,8 +18,6 @@ from gguf import GGMLQuantizationType as T
 
 from jllm.errors import JllmError
 
-BLOCK_TYPES = (T.Q4_K, T.Q6_K, T.Q4_0, T.Q5_0, T.Q8_0)
-
 
 def check_device(device: torch.device) -> None:
     """JllmError in one line unless the blocks precision can run here."""
@@ -34,6 +32,7 @@ def check_device(device: torch.device) -> None:
 
 
 def device_weight(raw, ggml_type: T, shape: tuple[int, int], device: torch.device):
+    """The device layout of an (N, K) matrix of one of jllm.cuda.layout.BLOCK_TYPES, from its file bytes."""
     from jllm.cuda.blocks32 import Blocks32Weight
     from jllm.cuda.q4_k import Q4KWeight
     from jllm.cuda.q6_k import Q6KWeight

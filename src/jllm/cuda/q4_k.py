@@ -7,12 +7,12 @@ its low nibble and weight 32 + l in its high one), and the header is unpacked on
 the scale and min codes [N, K/256, 8] uint8, 148 bytes a block (1.03x the file's). Unpacking the codes in the
 kernel would save those 4 bytes a block for more integer work every step; this keeps the kernel simple first.
 
-The kernel (`launch`, called by jllm.cuda.matvec) computes each output y[m, n] from its own row x[m] only, with one fixed order of
-operations whatever the number of rows M: one program per (BLOCK_N outputs, one row of x), a loop over the
-super-blocks, 32 weights at a time (one scale and min each), value = (d * scale) * q - (dmin * min) in
-float32 as the CPU's dequantization (jllm.gguf.quants) computes it, then a sum per 32. So a verify pass over
-k + 1 rows gives each row the logits of a pass over that row alone, bit for bit, which exact speculation on the
-GPU needs (tests/test_cuda_q4_k.py). Without a GPU the same kernel runs in Triton's interpreter
+The kernel (`launch`, called by jllm.cuda.matvec) computes each output y[m, n] from its own row x[m] only,
+with one fixed order of operations whatever the number of rows M: one program per (BLOCK_N outputs, one row
+of x), a loop over the super-blocks, 32 weights at a time (one scale and min each), value = (d * scale) * q -
+(dmin * min) in float32 as the CPU's dequantization (jllm.gguf.quants) computes it, then a sum per 32. So a
+verify pass over k + 1 rows gives each row the logits of a pass over that row alone, bit for bit, which exact
+speculation on the GPU needs (tests/test_cuda_matvec.py). Without a GPU the same kernel runs in Triton's interpreter
 (TRITON_INTERPRET=1), which is how the tests check it on the CPU.
 """
 
@@ -24,11 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
+from gguf import GGMLQuantizationType as T
+
 from jllm.cuda.layout import file_blocks, nbytes
 from jllm.gguf.quants import k_scale_codes
-
-BLOCK_BYTES = 144          # one Q4_K super-block in the file
-BLOCK_VALUES = 256
 
 
 @dataclass
@@ -49,9 +48,9 @@ class Q4KWeight:
     @classmethod
     def from_gguf(cls, raw: torch.Tensor, shape: tuple[int, int], device: str | torch.device = "cpu") -> "Q4KWeight":
         """raw: the tensor's Q4_K bytes (uint8, N * K / 256 * 144 of them), shape (N, K) -> the device layout."""
-        b = file_blocks(raw, "Q4_K", shape, BLOCK_VALUES, BLOCK_BYTES)
+        b = file_blocks(raw, T.Q4_K, shape)
         n, nb = b.shape[:2]
-        b = b.reshape(n * nb, BLOCK_BYTES)
+        b = b.reshape(n * nb, -1)
         d, dmin, sc, mn = k_scale_codes(b)
         return cls(qs=b[:, 16:].reshape(n, nb * 128).contiguous().to(device),
                    d=d.to(torch.float16).view(n, nb).to(device), dmin=dmin.to(torch.float16).view(n, nb).to(device),
@@ -87,4 +86,4 @@ def _q4_k_matvec(x_ptr, qs_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, y_ptr, N, K, NB
 def launch(x: torch.Tensor, w: Q4KWeight, y: torch.Tensor, block_n: int) -> None:
     n, k = w.shape
     grid = (triton.cdiv(n, block_n), x.shape[0])
-    _q4_k_matvec[grid](x, w.qs, w.d, w.dmin, w.sc, w.mn, y, n, k, k // BLOCK_VALUES, BLOCK_N=block_n)
+    _q4_k_matvec[grid](x, w.qs, w.d, w.dmin, w.sc, w.mn, y, n, k, w.d.shape[1], BLOCK_N=block_n)

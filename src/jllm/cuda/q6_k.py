@@ -16,11 +16,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from gguf import GGMLQuantizationType as T
 
 from jllm.cuda.layout import file_blocks, nbytes
-
-BLOCK_BYTES = 210
-BLOCK_VALUES = 256
 
 
 @dataclass
@@ -40,7 +38,7 @@ class Q6KWeight:
     @classmethod
     def from_gguf(cls, raw: torch.Tensor, shape: tuple[int, int], device: str | torch.device = "cpu") -> "Q6KWeight":
         """raw: the tensor's Q6_K bytes (uint8, N * K / 256 * 210 of them), shape (N, K) -> the device layout."""
-        b = file_blocks(raw, "Q6_K", shape, BLOCK_VALUES, BLOCK_BYTES)
+        b = file_blocks(raw, T.Q6_K, shape)
         n, nb = b.shape[:2]
         return cls(ql=b[:, :, :128].reshape(n, nb * 128).contiguous().to(device),
                    qh=b[:, :, 128:192].reshape(n, nb * 64).contiguous().to(device),
@@ -76,4 +74,4 @@ def _q6_k_matvec(x_ptr, ql_ptr, qh_ptr, sc_ptr, d_ptr, y_ptr, N, K, NB, BLOCK_N:
 def launch(x: torch.Tensor, w: Q6KWeight, y: torch.Tensor, block_n: int) -> None:
     n, k = w.shape
     grid = (triton.cdiv(n, block_n), x.shape[0])
-    _q6_k_matvec[grid](x, w.ql, w.qh, w.sc, w.d, y, n, k, k // BLOCK_VALUES, BLOCK_N=block_n)
+    _q6_k_matvec[grid](x, w.ql, w.qh, w.sc, w.d, y, n, k, w.d.shape[1], BLOCK_N=block_n)

@@ -227,7 +227,8 @@ class _Builder:
     def _blocks_matrix(self, names: list[str], max_rows: int | None, bias: torch.Tensor | None):
         """The `blocks` precision: one part per matrix, in its own block type on the device (jllm/cuda), or
         bf16 for a type without a GPU kernel; of a single matrix only its first max_rows rows when given."""
-        from jllm.cuda.linear import BLOCK_TYPES, BlocksLinear, device_weight
+        from jllm.cuda.layout import BLOCK_TYPES
+        from jllm.cuda.linear import BlocksLinear, device_weight
 
         parts = []
         for name in names:
