@@ -38,3 +38,58 @@ def test_cuda_bench_reports_the_devices_memory(tmp_path):
     g = r["gpu_memory"]
     assert r["weights_mb"] > 0 and g["kv_mb"] > 0 and g["peak_mb"] >= r["weights_mb"] + g["kv_mb"]
     print_table(r)
+
+
+def _blocks_model(tmp_path):
+    from gguf import GGMLQuantizationType as T
+
+    from jllm.model.loader import load_model
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_model(path, "qwen2", qtype=T.Q8_0)
+    return path, load_model(path, device="cuda", precision="blocks", cache_weights=False)
+
+
+def test_blocks_graph_replays_are_the_eager_pass_bitwise(tmp_path):
+    """Decode and verify steps replayed from CUDA graphs give the eager pass's logits bit for bit, and a verify
+    pass's rows are those of single steps."""
+    _, m = _blocks_model(tmp_path)
+    graphs = m.graphs
+    assert graphs is not None and m.kv_dtype == torch.float16
+    ids = torch.arange(3, 40, device="cuda")
+    runs, caches = [], []                         # (the graphs live as long as their cache)
+    for use in (graphs, None):
+        m.graphs = use
+        cache = m.new_cache(64)
+        caches.append(cache)
+        m.forward(ids[:20], cache)                                    # a prefill (eager: more rows than graphs)
+        steps = [m.forward(ids[t:t + 1], cache)[0] for t in range(20, 30)]    # captured, then replayed
+        verify = [m.forward(ids[30:35], cache)]                       # 5 rows: captured
+        cache.truncate(30)
+        verify.append(m.forward(ids[30:35], cache))                   # replayed at the same positions
+        runs.append((steps, verify))
+    m.graphs = graphs
+    assert graphs.count() >= 2
+    (g_steps, g_verify), (e_steps, e_verify) = runs
+    assert all(torch.equal(a, b) for a, b in zip(g_steps, e_steps))
+    assert all(torch.equal(v, e_verify[0]) for v in g_verify + e_verify)
+    cache = m.new_cache(64)
+    m.forward(ids[:30], cache)
+    for t in range(30, 35):                                           # the verify rows as single steps
+        assert torch.equal(m.forward(ids[t:t + 1], cache)[0], g_verify[0][t - 30])
+
+
+def test_blocks_speculative_greedy_is_plain_greedy_on_the_gpu(tmp_path):
+    from jllm.spec.config import SpecConfig
+
+    from gguf import GGMLQuantizationType as T
+
+    path, _ = _blocks_model(tmp_path)
+    draft = tmp_path / "draft.gguf"                 # other weights, same tokenizer: rejections and rollbacks
+    write_tiny_model(draft, "qwen2", qtype=T.Q8_0, seed=1)
+    plain = Engine(str(path), device="cuda", precision="blocks", ctx_size=256)
+    spec = Engine(str(path), device="cuda", precision="blocks", ctx_size=256, draft_path=str(draft),
+                  spec=SpecConfig(mode="draft"))
+    for prompt in ("hello", "the quick brown fox"):
+        want = plain.generate(prompt, SamplingParams(max_tokens=40)).token_ids
+        assert spec.generate(prompt, SamplingParams(max_tokens=40)).token_ids == want

@@ -53,3 +53,18 @@ def test_each_query_is_its_own_bitwise():
         attention(q[:, :, :12], k[:, :, :12], v[:, :, :12], start, 0, 0.25)
     with pytest.raises(ValueError, match="cache of 96"):
         attention(q, k, v, 93, 0, 0.25)
+
+
+@pytest.mark.parametrize("window", [0, 300])
+def test_a_long_cache_is_split_in_wider_chunks_and_merged_exactly(window):
+    from jllm.cuda.attention import chunk_size
+
+    assert chunk_size(4096) == 64 and chunk_size(4500) == 128 and chunk_size(32768) == 512
+    g = torch.Generator().manual_seed(11 + window)
+    T, H, Hk, hd, max_t, start = 2, 2, 1, 16, 4500, 4380            # 36 chunks of 128; the last ones unused
+    q = torch.randn(T, H, hd, generator=g)
+    k, v = torch.randn(Hk, max_t, hd, generator=g), torch.randn(Hk, max_t, hd, generator=g)
+    got = attention(q.to(DEV), k.to(DEV), v.to(DEV), start, window, 0.3).cpu()
+    assert torch.allclose(got.double(), reference(q, k, v, start, window, 0.3), atol=1e-5)
+    pos = torch.tensor([start + 1], device=DEV)                      # positions as a device tensor
+    assert torch.equal(attention(q[1:].to(DEV), k.to(DEV), v.to(DEV), pos, window, 0.3).cpu(), got[1:])

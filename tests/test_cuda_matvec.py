@@ -59,7 +59,7 @@ def test_layout_is_near_the_files_size_and_checks_its_input(kind):
 
 
 @pytest.mark.parametrize("kind", list(TYPES), ids=lambda t: t.name)
-@pytest.mark.parametrize("n,k", [(40, 512), (16, 256)])
+@pytest.mark.parametrize("n,k", [(40, 512), (16, 256), (8, 768)])       # 768: an odd count of super-blocks
 def test_matvec_matches_the_cpu_dequantization(kind, n, k):
     raw = random_blocks(kind, n, k, seed=n)
     ref_w = dequantize(raw.numpy(), kind, (n, k)).double()
@@ -68,6 +68,20 @@ def test_matvec_matches_the_cpu_dequantization(kind, n, k):
     want = x.double() @ ref_w.T
     assert y.shape == (3, n) and y.dtype == torch.float32
     assert torch.allclose(y.double(), want, rtol=1e-5, atol=1e-4 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("kind", [T.Q4_K, T.Q6_K, T.Q8_0], ids=lambda t: t.name)
+def test_matvec_writes_a_column_range_of_a_wider_output_with_its_bias(kind):
+    n, k = 24, 512
+    w = TYPES[kind][0](random_blocks(kind, n, k, seed=5), (n, k), DEV)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(4)).to(DEV)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(6)).to(DEV)
+    wide = torch.full((3, n + 10), float("nan"), device=DEV)
+    matvec(x, w, out=wide[:, 4:4 + n], bias=bias)
+    assert torch.allclose(wide[:, 4:4 + n], matvec(x, w) + bias, rtol=1e-6, atol=1e-5)
+    assert wide[:, :4].isnan().all() and wide[:, 4 + n:].isnan().all()      # nothing written beside it
+    with pytest.raises(ValueError, match="out must be"):
+        matvec(x, w, out=wide[:, :n - 1])
 
 
 @pytest.mark.parametrize("kind", list(TYPES), ids=lambda t: t.name)
@@ -93,8 +107,8 @@ def test_a_type_the_32_value_layout_does_not_hold_is_refused():
 @pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0], ids=lambda t: t.name)
 def test_blocks_precision_runs_a_model_as_the_exact_path_does(qtype, tmp_path):
     """The `blocks` precision end to end: a tiny qwen2 in a block type, its logits against the exact path's
-    over the same file; a batched pass's rows are those of passes over each token's prefix alone, bitwise,
-    in the linear layers (the attention here is torch's)."""
+    over the same file (the GPU's attention, f16 keys and values: in Triton's interpreter without a GPU); a
+    batched pass's rows are those of passes over each token's prefix alone, bitwise, in the linear layers."""
     from jllm.model.loader import load_model
     from synthetic import write_tiny_model
 
@@ -105,7 +119,7 @@ def test_blocks_precision_runs_a_model_as_the_exact_path_does(qtype, tmp_path):
     blocks = load_model(path, device=DEV, precision="blocks", cache_weights=False)
     a = exact.forward(ids, exact.new_cache(32))
     b = blocks.forward(ids.to(DEV), blocks.new_cache(32)).cpu()
-    assert ((a - b).abs().max() / a.abs().max()).item() < 1e-4
+    assert ((a - b).abs().max() / a.abs().max()).item() < 2e-3          # the blocks precision's KV cache is f16
     lin = blocks.w.layers[0].gate_up
     x = torch.randn(4, lin.in_features).to(DEV)
     assert torch.equal(lin(x)[2:3], lin(x[2:3]))
@@ -131,18 +145,18 @@ def test_blocks_precision_is_refused_where_it_cannot_run(monkeypatch, tmp_path):
         load_model(path, device="cpu", precision="blocks", cache_weights=False)
 
 
-@pytest.mark.skipif(DEV != "cuda", reason="the GPU's attention path runs on CUDA only (the CPU's kernel is "
-                    "tested in test_attention_kernel.py)")
-def test_blocks_model_batched_pass_is_single_steps_bitwise_on_the_gpu(tmp_path):
-    """On the device, a forward over 6 tokens gives each row the logits of decoding it alone."""
+def test_blocks_model_batched_pass_is_single_steps_bitwise(tmp_path):
+    """A forward over 6 tokens gives each row the logits of decoding it alone (on a GPU, the eager pass: the
+    graphs' replays are tested in test_cuda.py)."""
     from jllm.model.loader import load_model
     from synthetic import write_tiny_model
 
     path = tmp_path / "tiny.gguf"
     write_tiny_model(path, "qwen2", qtype=T.Q8_0)
-    m = load_model(path, device="cuda", precision="blocks", cache_weights=False)
-    assert m.block_attention
-    ids = torch.arange(3, 9, device="cuda")
+    m = load_model(path, device=DEV, precision="blocks", cache_weights=False)
+    assert m.block_attention and m.kv_dtype == torch.float16
+    m.graphs = None
+    ids = torch.arange(3, 9, device=DEV)
     batched = m.forward(ids, m.new_cache(16))
     cache = m.new_cache(16)
     m.forward(ids[:2], cache)

@@ -53,14 +53,15 @@ def measure(eng, prompt_tokens: int = 512, decode_tokens: int = 64, max_k: int =
         best = min(best, time.perf_counter() - t0)
     prefill_tok_s = len(ids) / best
 
-    # decode: greedy single-token steps after the prompt
+    # decode: greedy single-token steps after the prompt, each with its argmax (on a GPU the step is
+    # asynchronous until its token is read)
     tok = int(torch.argmax(logits))
     step_times = []
     for _ in range(decode_tokens):
         t0 = time.perf_counter()
         logits = eng.step(tok)
-        step_times.append(time.perf_counter() - t0)
         tok = int(torch.argmax(logits))
+        step_times.append(time.perf_counter() - t0)
     step_s = statistics.median(step_times)
 
     # batched forward of k+1 tokens at the same position, relative to one decode step

@@ -86,8 +86,8 @@ def _blocks_weights(g: GGUFFile, cfg, output_rows: int | None) -> int:
 
 def _kv(cfg, ctx: int, precision: str) -> int:
 
-    native = precision in ("native", "native4") and native_possible()
-    size = kv_dtype(native).itemsize                                               # f16 on the native stack
+    half = precision == "blocks" or (precision in ("native", "native4") and native_possible())
+    size = kv_dtype(half).itemsize                                   # f16 on the native stack and in blocks
     return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * ctx * size
 
 

@@ -2,9 +2,13 @@
 fixed order, so a query's output is bitwise the same whatever other queries share the call (a verify pass
 over k + 1 tokens gives each the output of a decode step of it; exact speculation needs that).
 
-One program per (query t, head h): its keys are positions lo..p (p = start + t; lo = p - window + 1 with a
-sliding window, else 0), read in blocks of BLOCK_T keys aligned to absolute positions, with an online softmax
-(running max and sum) in float32. Nothing in it depends on how many queries the call has.
+A query t sees the keys at positions lo..p (p = pos[t], read from a device tensor so that a CUDA graph of the
+step replays at any position; lo = p - window + 1 with a sliding window, else 0). A decode step is one query,
+so to have work for the whole GPU the keys are split (as flash-decoding does) into chunks of absolute positions
+whose size depends on the cache's length alone (chunk_size): one program per (query, head, chunk) runs an online
+softmax (running max and sum, float32) over its chunk's keys in blocks of BLOCK_T, and one per (query, head)
+merges the chunks' parts in a fixed order. Nothing in it depends on how many queries the call has. The cache may
+be float16 or float32.
 """
 
 from __future__ import annotations
@@ -15,46 +19,91 @@ import triton.language as tl
 
 
 @triton.jit
-def _attention(q_ptr, k_ptr, v_ptr, o_ptr, start, window, scale, H, GROUP, MAX_T,
-               HD: tl.constexpr, BLOCK_T: tl.constexpr):
+def _attention_chunk(q_ptr, k_ptr, v_ptr, part_ptr, ml_ptr, pos_ptr, window, scale, H, GROUP, MAX_T, NCH,
+                     HD: tl.constexpr, CHUNK: tl.constexpr, BLOCK_T: tl.constexpr):
+    """(query t, head h, chunk c): softmax statistics and the weighted values of its keys in chunk c."""
     t = tl.program_id(0)
     h = tl.program_id(1)
+    c = tl.program_id(2)
     kvh = h // GROUP
-    p = start + t
+    p = tl.load(pos_ptr + t).to(tl.int32)
     lo = tl.where(window > 0, tl.maximum(p - window + 1, 0), 0)
     d = tl.arange(0, HD)
     q = tl.load(q_ptr + (t * H + h) * HD + d).to(tl.float32)
     m_i = tl.full((), float("-inf"), tl.float32)
     l_i = tl.zeros((), tl.float32)
     acc = tl.zeros((HD,), tl.float32)
-    for j0 in range((lo // BLOCK_T) * BLOCK_T, p + 1, BLOCK_T):
+    first = tl.maximum(c * CHUNK, (lo // BLOCK_T) * BLOCK_T)
+    for j0 in range(first, tl.minimum((c + 1) * CHUNK, p + 1), BLOCK_T):     # none: a chunk past the query
         j = j0 + tl.arange(0, BLOCK_T)
         live = (j >= lo) & (j <= p)
         base = (kvh * MAX_T + j)[:, None] * HD + d[None, :]
         k = tl.load(k_ptr + base, mask=live[:, None], other=0.0).to(tl.float32)
-        s = tl.sum(k * q[None, :], axis=1) * scale
-        s = tl.where(live, s, float("-inf"))
+        s = tl.where(live, tl.sum(k * q[None, :], axis=1) * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
-        alpha = tl.exp(m_i - m_new)
-        e = tl.exp(s - m_new)
+        alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp(m_i - m_new))
+        e = tl.where(live, tl.exp(s - m_new), 0.0)
         v = tl.load(v_ptr + base, mask=live[:, None], other=0.0).to(tl.float32)
         l_i = l_i * alpha + tl.sum(e, axis=0)
         acc = acc * alpha + tl.sum(e[:, None] * v, axis=0)
         m_i = m_new
-    tl.store(o_ptr + (t * H + h) * HD + d, acc / l_i)
+    at = (t * H + h) * NCH + c
+    tl.store(part_ptr + at * HD + d, acc)
+    tl.store(ml_ptr + at * 2, m_i)
+    tl.store(ml_ptr + at * 2 + 1, l_i)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, window: int, scale: float,
-              block_t: int = 64) -> torch.Tensor:
-    """q [T, H, hd] at positions start..start+T-1; k, v the layer's cache [Hk, max, hd] (keys up to
-    start + T - 1 written) -> [T, H * hd] float32. hd: a power of two."""
+@triton.jit
+def _attention_combine(part_ptr, ml_ptr, o_ptr, pos_ptr, window, H, NCH, HD: tl.constexpr, NCH_P2: tl.constexpr,
+                       CHUNK: tl.constexpr):
+    """(query t, head h): the chunks' parts merged in one fixed order (a tile over all chunks)."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    p = tl.load(pos_ptr + t).to(tl.int32)
+    lo = tl.where(window > 0, tl.maximum(p - window + 1, 0), 0)
+    c = tl.arange(0, NCH_P2)
+    used = (c >= lo // CHUNK) & (c <= p // CHUNK) & (c < NCH)
+    at = (t * H + h) * NCH + c
+    m_c = tl.load(ml_ptr + at * 2, mask=used, other=float("-inf"))
+    l_c = tl.load(ml_ptr + at * 2 + 1, mask=used, other=0.0)
+    m = tl.max(m_c, axis=0)
+    w = tl.where(used & (m_c > float("-inf")), tl.exp(m_c - m), 0.0)
+    d = tl.arange(0, HD)
+    part = tl.load(part_ptr + at[:, None] * HD + d[None, :], mask=used[:, None], other=0.0)
+    out = tl.sum(w[:, None] * part, axis=0) / tl.sum(w * l_c, axis=0)
+    tl.store(o_ptr + (t * H + h) * HD + d, out)
+
+
+def chunk_size(max_t: int) -> int:
+    """Keys per chunk for a cache of max_t positions: a power of two >= 64, at most 64 chunks. A function of the
+    cache alone, so that every query of every call is split the same way."""
+    size = 64
+    while triton.cdiv(max_t, size) > 64:
+        size *= 2
+    return size
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int | torch.Tensor, window: int,
+              scale: float, block_t: int = 64) -> torch.Tensor:
+    """q [T, H, hd]; pos: the queries' positions, int64 [T] on q's device (graph-safe: the caller checks them
+    against the cache), or an int `start` for start..start+T-1 (checked here); k, v the layer's cache
+    [Hk, max, hd] (keys up to each query's position written) -> [T, H * hd] float32. hd: a power of two."""
     T, H, hd = q.shape
     hk, max_t, _ = k.shape
     if hd & (hd - 1) or H % hk:
         raise ValueError(f"head size {hd} must be a power of two and {H} heads a multiple of {hk}")
-    if start + T > max_t:
-        raise ValueError(f"positions up to {start + T - 1} in a cache of {max_t}")
+    if isinstance(pos, int):
+        if pos + T > max_t:
+            raise ValueError(f"positions up to {pos + T - 1} in a cache of {max_t}")
+        pos = torch.arange(pos, pos + T, device=q.device)
+    chunk = chunk_size(max_t)
+    nch = triton.cdiv(max_t, chunk)
+    part = torch.empty(T, H, nch, hd, dtype=torch.float32, device=q.device)
+    ml = torch.empty(T, H, nch, 2, dtype=torch.float32, device=q.device)
     out = torch.empty(T, H, hd, dtype=torch.float32, device=q.device)
-    _attention[(T, H)](q.contiguous(), k.contiguous(), v.contiguous(), out, start, window, scale, H, H // hk,
-                       max_t, HD=hd, BLOCK_T=block_t)
+    q = q.contiguous()
+    _attention_chunk[(T, H, nch)](q, k.contiguous(), v.contiguous(), part, ml, pos, window, scale, H, H // hk,
+                                  max_t, nch, HD=hd, CHUNK=chunk, BLOCK_T=min(block_t, chunk))
+    _attention_combine[(T, H)](part, ml, out, pos, window, H, nch, HD=hd, NCH_P2=triton.next_power_of_2(nch),
+                               CHUNK=chunk)
     return out.view(T, H * hd)

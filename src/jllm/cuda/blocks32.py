@@ -55,9 +55,10 @@ class Blocks32Weight:
 
 
 @triton.jit
-def _blocks32_matvec(x_ptr, d_ptr, qs_ptr, qh_ptr, y_ptr, N, K, NB, KIND: tl.constexpr, BLOCK_N: tl.constexpr):
-    pid_n = tl.program_id(0)
-    m = tl.program_id(1)
+def _blocks32_matvec(x_ptr, d_ptr, qs_ptr, qh_ptr, b_ptr, y_ptr, N, K, NB, Y_STRIDE, KIND: tl.constexpr,
+                     BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr):
+    m = tl.program_id(0)                  # the rows of one block of outputs run side by side: its weights
+    pid_n = tl.program_id(1)              # are read from memory once, the other rows find them in L2
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     live = rows < N
     lane = tl.arange(0, 16)
@@ -83,11 +84,16 @@ def _blocks32_matvec(x_ptr, d_ptr, qs_ptr, qh_ptr, y_ptr, N, K, NB, KIND: tl.con
                     code = q.to(tl.float32) - 8.0
                 x = tl.load(x_ptr + m * K + kb * 32 + h * 16 + lane).to(tl.float32)
                 acc += tl.sum((code * d[:, None]) * x[None, :], axis=1)
-    tl.store(y_ptr + m * N + rows, acc, mask=live)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rows, mask=live, other=0.0)
+    tl.store(y_ptr + m * Y_STRIDE + rows, acc, mask=live)
 
 
-def launch(x: torch.Tensor, w: Blocks32Weight, y: torch.Tensor, block_n: int) -> None:
+def launch(x: torch.Tensor, w: Blocks32Weight, y: torch.Tensor, block_n: int, bias: torch.Tensor | None = None,
+           sb: int = 1) -> None:
+    """y [M, N] (rows y.stride(0) apart) = x W^T (+ bias); sb: unused (one block a step)."""
     n, k = w.shape
-    grid = (triton.cdiv(n, block_n), x.shape[0])
+    grid = (x.shape[0], triton.cdiv(n, block_n))
     qh = w.qh if w.qh is not None else w.d                   # unread unless Q5_0
-    _blocks32_matvec[grid](x, w.d, w.qs, qh, y, n, k, k // 32, KIND=KIND[w.kind], BLOCK_N=block_n)
+    _blocks32_matvec[grid](x, w.d, w.qs, qh, y if bias is None else bias, y, n, k, k // 32, y.stride(0),
+                           KIND=KIND[w.kind], BLOCK_N=block_n, HAS_BIAS=bias is not None)

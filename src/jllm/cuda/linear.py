@@ -59,10 +59,17 @@ class BlocksLinear:
 
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).float()
-        ys = [F.linear(x2.to(p.dtype), p).float() if isinstance(p, torch.Tensor) else matvec(x2, p)
-              for p in self.parts]
-        y = (torch.cat(ys, dim=-1) if len(ys) > 1 else ys[0]).reshape(*lead, self.out_features)
-        return y + self.bias if self.bias is not None else y
+        y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32, device=x.device)
+        at = 0
+        for p in self.parts:                   # each part writes its columns of y, adding its part of the bias
+            n = p.shape[0]
+            cols, bias = y[:, at:at + n], None if self.bias is None else self.bias[at:at + n]
+            if isinstance(p, torch.Tensor):
+                cols.copy_(F.linear(x2.to(p.dtype), p).float() + (0 if bias is None else bias))
+            else:
+                matvec(x2, p, out=cols, bias=bias)
+            at += n
+        return y.reshape(*lead, self.out_features)
 
     def nbytes(self) -> int:
         return sum(p.numel() * p.element_size() if isinstance(p, torch.Tensor) else p.nbytes() for p in self.parts)

@@ -11,8 +11,10 @@ from jllm.cuda import blocks32, q4_k, q6_k
 _KERNELS = {q4_k.Q4KWeight: q4_k.launch, q6_k.Q6KWeight: q6_k.launch, blocks32.Blocks32Weight: blocks32.launch}
 
 
-def matvec(x: torch.Tensor, w, block_n: int = 16) -> torch.Tensor:
-    """x [M, K] (float32 or bfloat16) -> y = x W^T [M, N] float32."""
+def matvec(x: torch.Tensor, w, block_n: int = 16, out: torch.Tensor | None = None,
+           bias: torch.Tensor | None = None, sb: int | None = None) -> torch.Tensor:
+    """x [M, K] (float32 or bfloat16) -> y = x W^T (+ bias) [M, N] float32, written into `out` when given (a
+    column range of a wider output: its rows may be further apart). sb: super-blocks a kernel step (tuning)."""
     launch = _KERNELS.get(type(w))
     if launch is None:
         raise TypeError(f"no GPU kernel for {type(w).__name__}")
@@ -20,6 +22,8 @@ def matvec(x: torch.Tensor, w, block_n: int = 16) -> torch.Tensor:
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"x must be [M, {k}], is {list(x.shape)}")
     x = x.contiguous()
-    y = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
-    launch(x, w, y, block_n)
+    y = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device) if out is None else out
+    if y.shape != (x.shape[0], n) or y.stride(1) != 1 or y.dtype != torch.float32:
+        raise ValueError(f"out must be float32 [{x.shape[0]}, {n}] with unit column stride")
+    launch(x, w, y, block_n, bias, **({} if sb is None else {"sb": sb}))
     return y

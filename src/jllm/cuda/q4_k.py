@@ -8,10 +8,11 @@ the scale and min codes [N, K/256, 8] uint8, 148 bytes a block (1.03x the file's
 kernel would save those 4 bytes a block for more integer work every step; this keeps the kernel simple first.
 
 The kernel (`launch`, called by jllm.cuda.matvec) computes each output y[m, n] from its own row x[m] only,
-with one fixed order of operations whatever the number of rows M: one program per (BLOCK_N outputs, one row
-of x), a loop over the super-blocks, 32 weights at a time (one scale and min each), value = (d * scale) * q -
-(dmin * min) in float32 as the CPU's dequantization (jllm.gguf.quants) computes it, then a sum per 32. So a
-verify pass over k + 1 rows gives each row the logits of a pass over that row alone, bit for bit, which exact
+with one fixed order of operations whatever the number of rows M: one program per (one row of x, BLOCK_N
+outputs), a loop over the super-blocks, SB of them (SB * 128 contiguous bytes of each output's codes) a step so
+that enough bytes are in flight; per sub-block of 32 weights the codes' dot product with x and x's sum, then
+d * scale * dot - dmin * min * sum in float32 (the dequantized weights' dot product, factored). So a verify
+pass over k + 1 rows gives each row the logits of a pass over that row alone, bit for bit, which exact
 speculation on the GPU needs (tests/test_cuda_matvec.py). Without a GPU the same kernel runs in Triton's interpreter
 (TRITON_INTERPRET=1), which is how the tests check it on the CPU.
 """
@@ -58,32 +59,46 @@ class Q4KWeight:
 
 
 @triton.jit
-def _q4_k_matvec(x_ptr, qs_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, y_ptr, N, K, NB,
-                 BLOCK_N: tl.constexpr):
-    pid_n = tl.program_id(0)
-    m = tl.program_id(1)
+def _q4_k_matvec(x_ptr, qs_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, b_ptr, y_ptr, N, K, NB, Y_STRIDE,
+                 BLOCK_N: tl.constexpr, SB: tl.constexpr, HAS_BIAS: tl.constexpr):
+    m = tl.program_id(0)                  # the rows of one block of outputs run side by side: its weights
+    pid_n = tl.program_id(1)              # are read from memory once, the other rows find them in L2
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     live = rows < N
+    j = tl.arange(0, 4 * SB)              # 32-byte chunks of SB super-blocks: chunk j holds sub-blocks 2j, 2j + 1
     lane = tl.arange(0, 32)
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for kb in range(0, NB):
-        d = tl.load(d_ptr + rows * NB + kb, mask=live, other=0.0).to(tl.float32)
-        dmin = tl.load(dmin_ptr + rows * NB + kb, mask=live, other=0.0).to(tl.float32)
-        for c in tl.static_range(4):                       # 64 weights: 32 bytes, two sub-blocks of 32
-            q = tl.load(qs_ptr + rows[:, None] * (NB * 128) + kb * 128 + c * 32 + lane[None, :],
-                        mask=live[:, None], other=0)
-            for h in tl.static_range(2):                   # the low nibbles, then the high ones
-                j = 2 * c + h
-                code = ((q >> (4 * h)) & 15).to(tl.float32)
-                s = tl.load(sc_ptr + (rows * NB + kb) * 8 + j, mask=live, other=0).to(tl.float32)
-                mi = tl.load(mn_ptr + (rows * NB + kb) * 8 + j, mask=live, other=0).to(tl.float32)
-                w = (d * s)[:, None] * code - (dmin * mi)[:, None]
-                x = tl.load(x_ptr + m * K + kb * 256 + j * 32 + lane).to(tl.float32)
-                acc += tl.sum(w * x[None, :], axis=1)
-    tl.store(y_ptr + m * N + rows, acc, mask=live)
+    acc = tl.zeros((BLOCK_N, 4 * SB), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(NB, SB)):
+        b0 = kb * SB                                            # the first super-block of this step
+        ok = (b0 + j // 4) < NB                                 # the last step may hold fewer
+        m2 = live[:, None] & ok[None, :]
+        q = tl.load(qs_ptr + rows[:, None, None] * (NB * 128) + b0 * 128 + j[None, :, None] * 32
+                    + lane[None, None, :], mask=m2[:, :, None], other=0)                  # [BN, 4 SB, 32]
+        xo = m * K + b0 * 256 + j[:, None] * 64 + lane[None, :]                           # sub-block 2j
+        x_lo = tl.load(x_ptr + xo, mask=ok[:, None], other=0.0).to(tl.float32)
+        x_hi = tl.load(x_ptr + xo + 32, mask=ok[:, None], other=0.0).to(tl.float32)     # sub-block 2j + 1
+        s_lo = tl.sum((q & 15).to(tl.float32) * x_lo[None, :, :], axis=2)                 # [BN, 4 SB]
+        s_hi = tl.sum((q >> 4).to(tl.float32) * x_hi[None, :, :], axis=2)
+        meta = (rows[:, None] * NB + b0) * 8 + 2 * j[None, :]
+        sc_lo = tl.load(sc_ptr + meta, mask=m2, other=0).to(tl.float32)
+        sc_hi = tl.load(sc_ptr + meta + 1, mask=m2, other=0).to(tl.float32)
+        mn_lo = tl.load(mn_ptr + meta, mask=m2, other=0).to(tl.float32)
+        mn_hi = tl.load(mn_ptr + meta + 1, mask=m2, other=0).to(tl.float32)
+        blk = rows[:, None] * NB + b0 + j[None, :] // 4
+        d = tl.load(d_ptr + blk, mask=m2, other=0.0).to(tl.float32)
+        dmin = tl.load(dmin_ptr + blk, mask=m2, other=0.0).to(tl.float32)
+        acc += d * (sc_lo * s_lo + sc_hi * s_hi) - dmin * (mn_lo * tl.sum(x_lo, axis=1)[None, :]
+                                                           + mn_hi * tl.sum(x_hi, axis=1)[None, :])
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rows, mask=live, other=0.0)
+    tl.store(y_ptr + m * Y_STRIDE + rows, y, mask=live)
 
 
-def launch(x: torch.Tensor, w: Q4KWeight, y: torch.Tensor, block_n: int) -> None:
+def launch(x: torch.Tensor, w: Q4KWeight, y: torch.Tensor, block_n: int, bias: torch.Tensor | None = None,
+           sb: int = 2) -> None:
+    """y [M, N] (rows y.stride(0) apart: a column range of a wider output) = x W^T (+ bias)."""
     n, k = w.shape
-    grid = (triton.cdiv(n, block_n), x.shape[0])
-    _q4_k_matvec[grid](x, w.qs, w.d, w.dmin, w.sc, w.mn, y, n, k, w.d.shape[1], BLOCK_N=block_n)
+    grid = (x.shape[0], triton.cdiv(n, block_n))
+    _q4_k_matvec[grid](x, w.qs, w.d, w.dmin, w.sc, w.mn, y if bias is None else bias, y, n, k, w.d.shape[1],
+                       y.stride(0), BLOCK_N=block_n, SB=sb, HAS_BIAS=bias is not None)

@@ -6,7 +6,8 @@ qh[64]: the high 2, 16 int8 scales, d f16); on the device the same bytes split b
 qh [N, K/4], scales [N, K/256, 16] int8, d [N, K/256] f16: 1.00x the file's. Weight 128h + 32s + l of a
 block (h < 2, s < 4, l < 32) has its low bits in the low (s < 2) or high (s >= 2) nibble of ql[64h + 32(s % 2)
 + l], its high bits at bit 2s of qh[32h + l], and scale 8h + 2s + l // 16; value = (d * scale) * (q - 32) in
-float32, as jllm.gguf.quants decodes it.
+float32, as jllm.gguf.quants decodes it. The kernel takes SB super-blocks of each output row a step, and per
+group of 16 weights the codes' dot product with x, times d * scale.
 """
 
 from __future__ import annotations
@@ -47,31 +48,48 @@ class Q6KWeight:
 
 
 @triton.jit
-def _q6_k_matvec(x_ptr, ql_ptr, qh_ptr, sc_ptr, d_ptr, y_ptr, N, K, NB, BLOCK_N: tl.constexpr):
-    pid_n = tl.program_id(0)
-    m = tl.program_id(1)
+def _q6_k_matvec(x_ptr, ql_ptr, qh_ptr, sc_ptr, d_ptr, b_ptr, y_ptr, N, K, NB, Y_STRIDE,
+                 BLOCK_N: tl.constexpr, SB: tl.constexpr, HAS_BIAS: tl.constexpr):
+    m = tl.program_id(0)                  # the rows of one block of outputs run side by side: its weights
+    pid_n = tl.program_id(1)              # are read from memory once, the other rows find them in L2
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     live = rows < N
+    J: tl.constexpr = 8 * SB              # runs of 32 weights in SB super-blocks: run j is 128h + 32s of block j // 8
+    j = tl.arange(0, J)
     lane = tl.arange(0, 32)
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for kb in range(0, NB):
-        d = tl.load(d_ptr + rows * NB + kb, mask=live, other=0.0).to(tl.float32)
-        for h in tl.static_range(2):
-            hi = tl.load(qh_ptr + rows[:, None] * (NB * 64) + kb * 64 + h * 32 + lane[None, :],
-                         mask=live[:, None], other=0)
-            for s in tl.static_range(4):
-                lo = tl.load(ql_ptr + rows[:, None] * (NB * 128) + kb * 128 + h * 64 + (s % 2) * 32 + lane[None, :],
-                             mask=live[:, None], other=0)
-                q = ((lo >> (4 * (s // 2))) & 15) | (((hi >> (2 * s)) & 3) << 4)
-                sc = tl.load(sc_ptr + (rows[:, None] * NB + kb) * 16 + 8 * h + 2 * s + lane[None, :] // 16,
-                             mask=live[:, None], other=0).to(tl.float32)
-                w = (d[:, None] * sc) * (q.to(tl.float32) - 32.0)
-                x = tl.load(x_ptr + m * K + kb * 256 + h * 128 + s * 32 + lane).to(tl.float32)
-                acc += tl.sum(w * x[None, :], axis=1)
-    tl.store(y_ptr + m * N + rows, acc, mask=live)
+    g = tl.arange(0, 2 * J)               # the 16-weight groups, one scale each
+    r = j % 8
+    h, s = r // 4, r % 4
+    lo_at = (j // 8) * 128 + h * 64 + (s % 2) * 32
+    hi_at = (j // 8) * 64 + h * 32
+    acc = tl.zeros((BLOCK_N, 2 * J), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(NB, SB)):
+        b0 = kb * SB
+        ok = (b0 + j // 8) < NB
+        m3 = (live[:, None] & ok[None, :])[:, :, None]
+        lo = tl.load(ql_ptr + rows[:, None, None] * (NB * 128) + b0 * 128 + lo_at[None, :, None]
+                     + lane[None, None, :], mask=m3, other=0)
+        hi = tl.load(qh_ptr + rows[:, None, None] * (NB * 64) + b0 * 64 + hi_at[None, :, None]
+                     + lane[None, None, :], mask=m3, other=0)
+        q = ((lo >> (4 * (s // 2))[None, :, None]) & 15) | (((hi >> (2 * s)[None, :, None]) & 3) << 4)
+        x = tl.load(x_ptr + m * K + b0 * 256 + j[:, None] * 32 + lane[None, :], mask=ok[:, None],
+                    other=0.0).to(tl.float32)
+        prod = (q.to(tl.float32) - 32.0) * x[None, :, :]                                 # [BN, J, 32]
+        part = tl.sum(tl.reshape(prod, (BLOCK_N, 2 * J, 16)), axis=2)                     # group 2j + l // 16
+        okg = live[:, None] & ((b0 + g // 16) < NB)[None, :]
+        sc = tl.load(sc_ptr + (rows[:, None] * NB + b0) * 16 + g[None, :], mask=okg, other=0).to(tl.float32)
+        d = tl.load(d_ptr + rows[:, None] * NB + b0 + g[None, :] // 16, mask=okg, other=0.0).to(tl.float32)
+        acc += (d * sc) * part
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rows, mask=live, other=0.0)
+    tl.store(y_ptr + m * Y_STRIDE + rows, y, mask=live)
 
 
-def launch(x: torch.Tensor, w: Q6KWeight, y: torch.Tensor, block_n: int) -> None:
+def launch(x: torch.Tensor, w: Q6KWeight, y: torch.Tensor, block_n: int, bias: torch.Tensor | None = None,
+           sb: int = 1) -> None:
+    """y [M, N] (rows y.stride(0) apart) = x W^T (+ bias)."""
     n, k = w.shape
-    grid = (triton.cdiv(n, block_n), x.shape[0])
-    _q6_k_matvec[grid](x, w.ql, w.qh, w.sc, w.d, y, n, k, w.d.shape[1], BLOCK_N=block_n)
+    grid = (x.shape[0], triton.cdiv(n, block_n))
+    _q6_k_matvec[grid](x, w.ql, w.qh, w.sc, w.d, y if bias is None else bias, y, n, k, w.d.shape[1],
+                       y.stride(0), BLOCK_N=block_n, SB=sb, HAS_BIAS=bias is not None)

@@ -10,6 +10,7 @@ that query sees — the same call with the same shapes whether the query came al
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,8 @@ import torch.nn.functional as F
 from jllm.model.config import ModelConfig
 from jllm.model.kv_cache import KVCache, kv_dtype
 from jllm.model.weights import Weights
+
+GRAPH_ROWS = 16         # CUDA graphs for passes of up to this many rows: decode, verify, a prefill's tail
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -51,23 +54,29 @@ class Transformer:
         self.rope_global = rope_table(cfg, cfg.rope_base, cfg.rope_scale, n, device)
         self.rope_local = rope_table(cfg, cfg.rope_base_local, 1.0, n, device) if cfg.sliding_window else None
         self.embed_scale = math.sqrt(cfg.hidden) if cfg.traits.embed_scale else None
+        # the blocks precision (a GPU, or Triton's interpreter in the tests): attention by jllm.cuda.attention,
+        # each (query, head) over exactly its keys, as the CPU kernel does, so that batched passes are bitwise
+        # single steps there too; positions on the device, so that a step can be a CUDA graph (cuda/graphs.py)
+        from jllm.cuda.linear import BlocksLinear
+
+        self.block_attention = isinstance(weights.output, BlocksLinear)
         self.kernels = None
         self.stack = None          # the forward pass as one native call, when every linear runs on the native kernel
-        if device.type == "cpu":
+        if device.type == "cpu" and not self.block_attention:
             from jllm.kernels import qgemm
 
             self.kernels = qgemm()
             if self.kernels is not None:
                 self.stack = self._native_stack()
-        # f16 on the native stack (half the bytes per step; kv_cache.py), else f32 (torch attention, CUDA, and
-        # the exact and int8 precisions, which the oracles and comparisons use). Fixed at load: the Python
-        # layers read the stack's cache with the same kernels.
-        self.kv_dtype = kv_dtype(self.stack is not None)
-        # the blocks precision on a GPU: attention by jllm.cuda.attention, each (query, head) over exactly its
-        # keys, as the CPU kernel does, so that batched passes are bitwise single steps there too
-        from jllm.cuda.linear import BlocksLinear
+        # f16 on the native stack and the blocks precision (half the bytes per step; kv_cache.py), else f32
+        # (torch attention, and the exact, int8 and bf16 precisions, which the oracles and comparisons use).
+        # Fixed at load: the Python layers read the stack's cache with the same kernels.
+        self.kv_dtype = kv_dtype(self.stack is not None or self.block_attention)
+        self.graphs = None
+        if self.block_attention and device.type == "cuda" and os.environ.get("JLLM_CUDA_GRAPHS", "1") != "0":
+            from jllm.cuda.graphs import StepGraphs
 
-        self.block_attention = device.type == "cuda" and isinstance(weights.output, BlocksLinear)
+            self.graphs = StepGraphs(self._blocks_body, GRAPH_ROWS)
 
     def _native_stack(self):
         from jllm.model.qlinear import GROUP_BYTES, QLinear
@@ -129,8 +138,13 @@ class Transformer:
                 logits = self.stack.forward(x, cache.k, cache.v, start, last_only, leaf, list(capture), hidden)
             cache.length = start + T
             return logits if capture is None else (logits, hidden)
+        if self.graphs is not None and capture is None and leaf is None and self.graphs.fits(T):
+            logits = self.graphs.run(x, cache, start)        # decode and verify steps: one graph replay
+            cache.length = start + T
+            return logits[-1:] if last_only else logits
         taken = {} if capture is not None else None
-        x = self._layers(x, cache, start, taken)
+        pos = torch.arange(start, start + T, device=x.device) if self.block_attention else None
+        x = self._layers(x, cache, start, taken, pos)
         cache.length = start + T
         if last_only:
             x = x[-1:]
@@ -140,9 +154,17 @@ class Transformer:
             return logits
         return logits, torch.cat([taken[i] for i in capture], dim=1).float()
 
-    def _layers(self, x: torch.Tensor, cache: KVCache, start: int, taken: dict | None = None) -> torch.Tensor:
+    def _blocks_body(self, x: torch.Tensor, cache: KVCache, pos: torch.Tensor) -> torch.Tensor:
+        """The blocks precision's pass after the embedding, every row's logits: a CUDA graph's body."""
+        x = self._layers(x, cache, -1, None, pos)
+        return self.w.output(rms_norm(x, self.w.output_norm, self.cfg.rms_eps))
+
+    def _layers(self, x: torch.Tensor, cache: KVCache, start: int, taken: dict | None = None,
+                pos: torch.Tensor | None = None) -> torch.Tensor:
         """The decoder layers in Python (any device and precision; the native stack runs the same kernels).
-        taken: filled with layer id -> the residual stream entering that layer, [T, D] (n_layers: the output)."""
+        taken: filled with layer id -> the residual stream entering that layer, [T, D] (n_layers: the output).
+        pos (the blocks precision): the rows' positions, int64 [T] on the device, read there instead of start
+        (RoPE's rows, the cache writes, attention), so that nothing depends on a host value."""
         c, w = self.cfg, self.w
         T = x.shape[0]
         norm = self.kernels.rms_norm if self.kernels is not None else rms_norm
@@ -163,12 +185,18 @@ class Transformer:
                 q = self.kernels.rope_store(qk[:, :c.n_heads], qk[:, c.n_heads:], v, cos[start:start + T],
                                             sin[start:start + T], c.traits.rope_neox, c.rope_dim,
                                             cache.k[i], cache.v[i], start)
+            elif pos is not None:
+                qk = apply_rope(qk, cos[pos], sin[pos], c.traits.rope_neox, c.rope_dim)
+                q, k = qk[:, :c.n_heads], qk[:, c.n_heads:]
+                cache.k[i].index_copy_(1, pos, k.transpose(0, 1).to(cache.k.dtype))
+                cache.v[i].index_copy_(1, pos, v.transpose(0, 1).to(cache.v.dtype))
             else:
                 qk = apply_rope(qk, cos[start:start + T], sin[start:start + T], c.traits.rope_neox, c.rope_dim)
                 q, k = qk[:, :c.n_heads], qk[:, c.n_heads:]                  # [T, H, hd], [T, Hk, hd]
                 cache.k[i, :, start:start + T] = k.transpose(0, 1)
                 cache.v[i, :, start:start + T] = v.transpose(0, 1)
-            a = self._attention(q, cache, i, start, c.sliding_window if sliding else 0)   # [T, q_dim]
+            a = self._attention(q, cache, i, start if pos is None else pos,
+                                c.sliding_window if sliding else 0)                       # [T, q_dim]
             a = L.o(a)
             if L.post_attn_norm is not None:
                 a = norm(a, L.post_attn_norm, c.rms_eps)
@@ -188,8 +216,10 @@ class Transformer:
             taken[c.n_layers] = x
         return x
 
-    def _attention(self, q: torch.Tensor, cache: KVCache, layer: int, start: int, window: int) -> torch.Tensor:
-        """q: [T, H, hd] for positions start..start+T-1 -> [T, H * hd], one query at a time (see module doc)."""
+    def _attention(self, q: torch.Tensor, cache: KVCache, layer: int, start: int | torch.Tensor,
+                   window: int) -> torch.Tensor:
+        """q: [T, H, hd] for positions start..start+T-1 (the blocks precision: a tensor of them) -> [T, H * hd],
+        one query at a time (see module doc)."""
         c = self.cfg
         T = q.shape[0]
         if self.kernels is not None:                      # jllm's CPU kernel: same contract, one call

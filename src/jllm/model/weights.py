@@ -225,12 +225,13 @@ class _Builder:
         return QLinear(data, offsets, kinds, rows, cols, bias)
 
     def _blocks_matrix(self, names: list[str], max_rows: int | None, bias: torch.Tensor | None):
-        """The `blocks` precision: one part per matrix, in its own block type on the device (jllm/cuda), or
-        bf16 for a type without a GPU kernel; of a single matrix only its first max_rows rows when given."""
+        """The `blocks` precision: the matrices in their own block types on the device (jllm/cuda), neighbours
+        of one type as one part (q|k|v or gate|up in one kernel launch), or bf16 for a type without a GPU
+        kernel; of a single matrix only its first max_rows rows when given."""
         from jllm.cuda.layout import BLOCK_TYPES
         from jllm.cuda.linear import BlocksLinear, device_weight
 
-        parts = []
+        runs: list[tuple] = []                     # (block type or None, [file rows of each matrix], cols)
         for name in names:
             info = self._matrix_info(name)
             rows, cols = info.shape
@@ -238,10 +239,20 @@ class _Builder:
                 rows = min(rows, max_rows)
             if info.ggml_type in BLOCK_TYPES:
                 raw = self.gguf.raw(name).reshape(info.shape[0], -1)[:rows]
-                parts.append(device_weight(raw, info.ggml_type, (rows, cols), self.device))
+                if runs and runs[-1][0] == info.ggml_type:
+                    runs[-1][1].append(raw)
+                else:
+                    runs.append((info.ggml_type, [raw], cols))
             else:
                 w = torch.cat([c.to(torch.bfloat16) for c in self._float_rows(name)])[:rows]
-                parts.append(w.to(self.device))
+                runs.append((None, [w.to(self.device)], cols))
+        parts = []
+        for kind, raws, cols in runs:
+            if kind is None:
+                parts.append(raws[0])
+            else:                                  # a block row is a row of the file: rows concatenate as bytes
+                raw = np.concatenate(raws) if len(raws) > 1 else raws[0]
+                parts.append(device_weight(raw, kind, (raw.shape[0], cols), self.device))
         return BlocksLinear(parts, bias)
 
     def _matrix_info(self, name: str):

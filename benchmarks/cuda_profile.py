@@ -1,0 +1,88 @@
+"""Where a GPU decode step of the blocks precision spends its time: the kernels of one eager step by GPU time
+(torch's profiler), how many launches a step is, and a step's wall time eager against replayed from a CUDA graph
+(jllm.cuda.graphs), beside the floor of reading the weights once at the device's copy bandwidth.
+
+    python benchmarks/cuda_profile.py MODEL.gguf [--context 512] [--rows 1 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from jllm.model.loader import load_model
+
+
+def copy_bandwidth() -> float:
+    """Bytes a second of a large device-to-device copy (read + written)."""
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    b.copy_(a)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    return 2 * a.numel() * 10 / (time.perf_counter() - t)
+
+
+def step_ms(m, cache, ids: torch.Tensor, at: int, reps: int = 50) -> float:
+    times = []
+    for _ in range(reps):
+        cache.truncate(at)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        m.forward(ids, cache)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 5])
+    ap.add_argument("--top", type=int, default=25)
+    a = ap.parse_args()
+    m = load_model(a.model, "cuda", "blocks", max_positions=a.context + 64, cache_weights=False)
+    cache = m.new_cache(a.context + 64)
+    g = torch.Generator().manual_seed(0)
+    ctx = torch.randint(0, 1000, (a.context,), generator=g).to("cuda")
+    m.forward(ctx, cache)
+    bw = copy_bandwidth()
+    floor = m.w.nbytes() / bw * 1e3
+    print(f"weights {m.w.nbytes() / 2**20:.0f} MiB, copy bandwidth {bw / 1e12:.2f} TB/s: floor {floor:.3f} ms a step")
+    graphs = m.graphs
+    for rows in a.rows:
+        ids = torch.randint(0, 1000, (rows,), generator=g).to("cuda")
+        m.graphs = None
+        eager = step_ms(m, cache, ids, a.context)
+        m.graphs = graphs
+        replay = step_ms(m, cache, ids, a.context) if graphs is not None else float("nan")
+        print(f"rows {rows}: eager {eager:.3f} ms, graph {replay:.3f} ms ({1e3 / replay:.0f} steps/s), "
+              f"floor {floor:.3f} ms")
+    m.graphs = None
+    ids = ctx[:1]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            cache.truncate(a.context)
+            m.forward(ids, cache)
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.self_device_time_total for e in events) / 5
+    launches = sum(e.count for e in events) / 5
+    print(f"\none eager decode step: {launches:.0f} kernel launches, {total / 1e3:.3f} ms of GPU time")
+    print(f"{'kernel':<70} {'calls':>6} {'us/step':>9} {'share':>6}")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:a.top]:
+        us = e.self_device_time_total / 5
+        print(f"{e.key[:70]:<70} {e.count / 5:>6.0f} {us:>9.1f} {us / total:>6.1%}")
+    m.graphs = graphs
+
+
+if __name__ == "__main__":
+    main()
