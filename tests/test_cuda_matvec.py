@@ -104,8 +104,9 @@ def test_a_type_the_32_value_layout_does_not_hold_is_refused():
         Blocks32Weight.from_gguf(random_blocks(T.Q4_K, 1, 256), T.Q4_K, (1, 256))
 
 
-@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0], ids=lambda t: t.name)
-def test_blocks_precision_runs_a_model_as_the_exact_path_does(qtype, tmp_path):
+@pytest.mark.parametrize("arch,qtype", [("qwen2", T.Q8_0), ("qwen2", T.Q4_0), ("llama", T.Q8_0), ("qwen3", T.Q8_0),
+                                        ("gemma3", T.Q8_0)], ids=lambda v: getattr(v, "name", v))
+def test_blocks_precision_runs_a_model_as_the_exact_path_does(arch, qtype, tmp_path):
     """The `blocks` precision end to end: a tiny qwen2 in a block type, its logits against the exact path's
     over the same file (the GPU's attention, f16 keys and values: in Triton's interpreter without a GPU); a
     batched pass's rows are those of passes over each token's prefix alone, bitwise, in the linear layers."""
@@ -113,7 +114,7 @@ def test_blocks_precision_runs_a_model_as_the_exact_path_does(qtype, tmp_path):
     from synthetic import write_tiny_model
 
     path = tmp_path / "tiny.gguf"
-    write_tiny_model(path, "qwen2", qtype=qtype)
+    write_tiny_model(path, arch, qtype=qtype)
     ids = torch.arange(3, 15)
     exact = load_model(path, device="cpu", precision="exact", cache_weights=False)
     blocks = load_model(path, device=DEV, precision="blocks", cache_weights=False)

@@ -74,6 +74,9 @@ def _attention_combine(part_ptr, ml_ptr, o_ptr, pos_ptr, window, H, NCH, HD: tl.
     tl.store(o_ptr + (t * H + h) * HD + d, out)
 
 
+QUERIES = 16            # queries a launch: a prefill's scratch stays that of 16 (Qwen3-4B at 4,096: 16 MB)
+
+
 def chunk_size(max_t: int) -> int:
     """Keys per chunk for a cache of max_t positions: a power of two >= 64, at most 64 chunks. A function of the
     cache alone, so that every query of every call is split the same way."""
@@ -98,12 +101,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int | torc
         pos = torch.arange(pos, pos + T, device=q.device)
     chunk = chunk_size(max_t)
     nch = triton.cdiv(max_t, chunk)
-    part = torch.empty(T, H, nch, hd, dtype=torch.float32, device=q.device)
-    ml = torch.empty(T, H, nch, 2, dtype=torch.float32, device=q.device)
     out = torch.empty(T, H, hd, dtype=torch.float32, device=q.device)
-    q = q.contiguous()
-    _attention_chunk[(T, H, nch)](q, k.contiguous(), v.contiguous(), part, ml, pos, window, scale, H, H // hk,
-                                  max_t, nch, HD=hd, CHUNK=chunk, BLOCK_T=min(block_t, chunk))
-    _attention_combine[(T, H)](part, ml, out, pos, window, H, nch, HD=hd, NCH_P2=triton.next_power_of_2(nch),
-                               CHUNK=chunk)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    for s in range(0, T, QUERIES):       # the chunks' parts of QUERIES queries at a time bound the scratch
+        n = min(QUERIES, T - s)
+        part = torch.empty(n, H, nch, hd, dtype=torch.float32, device=q.device)
+        ml = torch.empty(n, H, nch, 2, dtype=torch.float32, device=q.device)
+        _attention_chunk[(n, H, nch)](q[s:], k, v, part, ml, pos[s:], window, scale, H, H // hk, max_t, nch,
+                                      HD=hd, CHUNK=chunk, BLOCK_T=min(block_t, chunk))
+        _attention_combine[(n, H)](part, ml, out[s:], pos[s:], window, H, nch, HD=hd,
+                                   NCH_P2=triton.next_power_of_2(nch), CHUNK=chunk)
     return out.view(T, H * hd)

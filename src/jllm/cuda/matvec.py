@@ -11,19 +11,35 @@ from jllm.cuda import blocks32, q4_k, q6_k
 _KERNELS = {q4_k.Q4KWeight: q4_k.launch, q6_k.Q6KWeight: q6_k.launch, blocks32.Blocks32Weight: blocks32.launch}
 
 
-def matvec(x: torch.Tensor, w, block_n: int = 16, out: torch.Tensor | None = None,
+def setting(w) -> tuple[int, int]:
+    """(outputs a program, super-blocks a step) for a matrix: a function of its type and shape alone, never of
+    the row count, so that every call over it sums each row in the same order. Chosen by benchmarks/cuda_matvec.py
+    on the H200 for one row (decode): few outputs a program for the layers' matrices (enough programs for the
+    chip), more super-blocks a step for long rows (ffn_down: enough bytes in flight), 16 x 1 for the output."""
+    n, k = w.shape
+    if isinstance(w, (q4_k.Q4KWeight, q6_k.Q6KWeight)):
+        if n >= 65536:
+            return 16, 1
+        return 8, (4 if k >= 4096 else 2)
+    return (32 if n >= 16384 else 16), 1
+
+
+def matvec(x: torch.Tensor, w, block_n: int | None = None, out: torch.Tensor | None = None,
            bias: torch.Tensor | None = None, sb: int | None = None) -> torch.Tensor:
     """x [M, K] (float32 or bfloat16) -> y = x W^T (+ bias) [M, N] float32, written into `out` when given (a
-    column range of a wider output: its rows may be further apart). sb: super-blocks a kernel step (tuning)."""
+    column range of a wider output: its rows may be further apart). block_n, sb: the kernel's setting, by
+    default setting(w) (benchmarks try others)."""
     launch = _KERNELS.get(type(w))
     if launch is None:
         raise TypeError(f"no GPU kernel for {type(w).__name__}")
     n, k = w.shape
+    default_n, default_sb = setting(w)
+    block_n, sb = block_n or default_n, sb or default_sb
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"x must be [M, {k}], is {list(x.shape)}")
     x = x.contiguous()
     y = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device) if out is None else out
     if y.shape != (x.shape[0], n) or y.stride(1) != 1 or y.dtype != torch.float32:
         raise ValueError(f"out must be float32 [{x.shape[0]}, {n}] with unit column stride")
-    launch(x, w, y, block_n, bias, **({} if sb is None else {"sb": sb}))
+    launch(x, w, y, block_n, bias, sb)
     return y

@@ -143,28 +143,28 @@ class Transformer:
             cache.length = start + T
             return logits[-1:] if last_only else logits
         taken = {} if capture is not None else None
-        pos = torch.arange(start, start + T, device=x.device) if self.block_attention else None
-        x = self._layers(x, cache, start, taken, pos)
+        if self.block_attention:                                  # the GPU's layers (jllm/cuda/layers.py)
+            from jllm.cuda.layers import blocks_layers
+
+            _, x = blocks_layers(self, x, cache, torch.arange(start, start + T, device=x.device), taken)
+        else:
+            x = norm(self._layers(x, cache, start, taken), w.output_norm, c.rms_eps)
         cache.length = start + T
-        if last_only:
-            x = x[-1:]
-        x = norm(x, w.output_norm, c.rms_eps)
-        logits = w.output(x)
+        logits = w.output(x[-1:] if last_only else x)
         if capture is None:
             return logits
         return logits, torch.cat([taken[i] for i in capture], dim=1).float()
 
     def _blocks_body(self, x: torch.Tensor, cache: KVCache, pos: torch.Tensor) -> torch.Tensor:
         """The blocks precision's pass after the embedding, every row's logits: a CUDA graph's body."""
-        x = self._layers(x, cache, -1, None, pos)
-        return self.w.output(rms_norm(x, self.w.output_norm, self.cfg.rms_eps))
+        from jllm.cuda.layers import blocks_layers
 
-    def _layers(self, x: torch.Tensor, cache: KVCache, start: int, taken: dict | None = None,
-                pos: torch.Tensor | None = None) -> torch.Tensor:
-        """The decoder layers in Python (any device and precision; the native stack runs the same kernels).
-        taken: filled with layer id -> the residual stream entering that layer, [T, D] (n_layers: the output).
-        pos (the blocks precision): the rows' positions, int64 [T] on the device, read there instead of start
-        (RoPE's rows, the cache writes, attention), so that nothing depends on a host value."""
+        return self.w.output(blocks_layers(self, x, cache, pos)[1])
+
+    def _layers(self, x: torch.Tensor, cache: KVCache, start: int, taken: dict | None = None) -> torch.Tensor:
+        """The decoder layers in Python (any device and precision but blocks, jllm/cuda/layers.py; the native
+        stack runs the same kernels). taken: filled with layer id -> the residual stream entering that layer,
+        [T, D] (n_layers: the output)."""
         c, w = self.cfg, self.w
         T = x.shape[0]
         norm = self.kernels.rms_norm if self.kernels is not None else rms_norm
@@ -185,18 +185,12 @@ class Transformer:
                 q = self.kernels.rope_store(qk[:, :c.n_heads], qk[:, c.n_heads:], v, cos[start:start + T],
                                             sin[start:start + T], c.traits.rope_neox, c.rope_dim,
                                             cache.k[i], cache.v[i], start)
-            elif pos is not None:
-                qk = apply_rope(qk, cos[pos], sin[pos], c.traits.rope_neox, c.rope_dim)
-                q, k = qk[:, :c.n_heads], qk[:, c.n_heads:]
-                cache.k[i].index_copy_(1, pos, k.transpose(0, 1).to(cache.k.dtype))
-                cache.v[i].index_copy_(1, pos, v.transpose(0, 1).to(cache.v.dtype))
             else:
                 qk = apply_rope(qk, cos[start:start + T], sin[start:start + T], c.traits.rope_neox, c.rope_dim)
                 q, k = qk[:, :c.n_heads], qk[:, c.n_heads:]                  # [T, H, hd], [T, Hk, hd]
                 cache.k[i, :, start:start + T] = k.transpose(0, 1)
                 cache.v[i, :, start:start + T] = v.transpose(0, 1)
-            a = self._attention(q, cache, i, start if pos is None else pos,
-                                c.sliding_window if sliding else 0)                       # [T, q_dim]
+            a = self._attention(q, cache, i, start, c.sliding_window if sliding else 0)   # [T, q_dim]
             a = L.o(a)
             if L.post_attn_norm is not None:
                 a = norm(a, L.post_attn_norm, c.rms_eps)
@@ -216,17 +210,12 @@ class Transformer:
             taken[c.n_layers] = x
         return x
 
-    def _attention(self, q: torch.Tensor, cache: KVCache, layer: int, start: int | torch.Tensor,
-                   window: int) -> torch.Tensor:
-        """q: [T, H, hd] for positions start..start+T-1 (the blocks precision: a tensor of them) -> [T, H * hd],
-        one query at a time (see module doc)."""
+    def _attention(self, q: torch.Tensor, cache: KVCache, layer: int, start: int, window: int) -> torch.Tensor:
+        """q: [T, H, hd] for positions start..start+T-1 -> [T, H * hd], one query at a time (see module doc)."""
         c = self.cfg
         T = q.shape[0]
         if self.kernels is not None:                      # jllm's CPU kernel: same contract, one call
             return self.kernels.attention(q, cache.k[layer], cache.v[layer], start, window, c.attn_scale)
-        if self.block_attention:                          # the GPU's, same contract (jllm.cuda.attention)
-            from jllm.cuda.attention import attention
-            return attention(q, cache.k[layer], cache.v[layer], start, window, c.attn_scale)
         K, V = cache.k[layer].unsqueeze(0), cache.v[layer].unsqueeze(0)       # [1, Hk, max, hd]
         if T > 1 and q.device.type != "cpu":
             return self._attention_batched(q, K, V, start, window)

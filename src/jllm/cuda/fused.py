@@ -1,0 +1,120 @@
+"""The small operations of a GPU layer fused into single Triton kernels (issue 23): a decode step is hundreds
+of launches, and the profile (benchmarks/cuda_profile.py) put the norms, RoPE, the cache writes and the adds at
+a third of its kernels' time before these. Each kernel works row by row, one program a row (or a row's head),
+so a row's result never depends on the other rows of its call, as everywhere in the blocks precision.
+
+    rms_norm(x, w, eps)                    one program a row
+    add_rms_norm(x, a, w, eps)             x + a, and its norm: the residual add and the next norm in one pass
+    rope_store(qk, v, pos, cos, sin, ...)  RoPE on q and k, k and v written into the cache at pos: q out
+    glu(gu, gelu)                          silu(gate) * up (or GELU's tanh form): half the columns out
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm(x_ptr, a_ptr, w_ptr, xo_ptr, h_ptr, D, eps, HAS_ADD: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0)
+    i = tl.arange(0, BLOCK)
+    live = i < D
+    x = tl.load(x_ptr + r * D + i, mask=live, other=0.0)
+    if HAS_ADD:
+        x += tl.load(a_ptr + r * D + i, mask=live, other=0.0)
+        tl.store(xo_ptr + r * D + i, x, mask=live)
+    ms = tl.sum(x * x, axis=0) / D
+    w = tl.load(w_ptr + i, mask=live, other=0.0)
+    tl.store(h_ptr + r * D + i, x * tl.rsqrt(ms + eps) * w, mask=live)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, D] float32 -> x / rms(x) * w."""
+    x = x.contiguous()
+    h = torch.empty_like(x)
+    _rms_norm[(x.shape[0],)](x, x, w, x, h, x.shape[1], eps, HAS_ADD=False, BLOCK=triton.next_power_of_2(x.shape[1]))
+    return h
+
+
+def add_rms_norm(x: torch.Tensor, a: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, a [T, D] float32 -> (x + a, rms_norm(x + a) * w)."""
+    x, a = x.contiguous(), a.contiguous()
+    xo, h = torch.empty_like(x), torch.empty_like(x)
+    _rms_norm[(x.shape[0],)](x, a, w, xo, h, x.shape[1], eps, HAS_ADD=True, BLOCK=triton.next_power_of_2(x.shape[1]))
+    return xo, h
+
+
+@triton.jit
+def _rope_store(qk_ptr, QK_STRIDE, v_ptr, V_STRIDE, pos_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr,
+                H, HK, MAX_T, HD: tl.constexpr, ROPE: tl.constexpr, NEOX: tl.constexpr):
+    t = tl.program_id(0)
+    head = tl.program_id(1)              # 0..H-1: q heads, H..H+HK-1: k heads, then v heads
+    d = tl.arange(0, HD)
+    p = tl.load(pos_ptr + t)
+    if head < H + HK:
+        row = qk_ptr + t * QK_STRIDE + head * HD
+        x = tl.load(row + d)
+        half: tl.constexpr = ROPE // 2
+        if NEOX:                         # pairs (i, i + ROPE / 2)
+            partner = tl.where(d < half, d + half, d - half)
+            sign = tl.where(d < half, -1.0, 1.0)
+            f = d % half
+        else:                            # pairs (2i, 2i + 1)
+            partner = d ^ 1
+            sign = tl.where(d % 2 == 0, -1.0, 1.0)
+            f = d // 2
+        rot = d < ROPE
+        xp = tl.load(row + partner, mask=rot, other=0.0)
+        c = tl.load(cos_ptr + p * half + f, mask=rot, other=1.0)
+        s = tl.load(sin_ptr + p * half + f, mask=rot, other=0.0)
+        y = tl.where(rot, x * c + sign * xp * s, x)
+        if head < H:
+            tl.store(q_ptr + (t * H + head) * HD + d, y)
+        else:
+            tl.store(kc_ptr + ((head - H) * MAX_T + p) * HD + d, y.to(kc_ptr.dtype.element_ty))
+    else:
+        kvh = head - H - HK
+        x = tl.load(v_ptr + t * V_STRIDE + kvh * HD + d)
+        tl.store(vc_ptr + (kvh * MAX_T + p) * HD + d, x.to(vc_ptr.dtype.element_ty))
+
+
+def rope_store(qk: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               neox: bool, rope_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    """qk [T, H + Hk, hd], v [T, Hk, hd] (float32 views whose rows may be further apart, heads contiguous);
+    pos int64 [T] on the device; cos, sin [n_pos, rope_dim / 2]; the layer's caches [Hk, max, hd] ->
+    q [T, H, hd] rotated; k rotated and v written into the caches at pos."""
+    T, heads, hd = qk.shape
+    hk, max_t, _ = k_cache.shape
+    if qk.stride(2) != 1 or qk.stride(1) != hd or v.stride(2) != 1 or v.stride(1) != hd:
+        raise ValueError("rope_store needs each row's heads contiguous")
+    H = heads - hk
+    q = torch.empty(T, H, hd, dtype=torch.float32, device=qk.device)
+    _rope_store[(T, H + 2 * hk)](qk, qk.stride(0), v, v.stride(0), pos, cos, sin, q, k_cache, v_cache, H, hk, max_t,
+                                 HD=hd, ROPE=rope_dim, NEOX=neox)
+    return q
+
+
+@triton.jit
+def _glu(gu_ptr, o_ptr, F, GELU: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    live = i < F
+    g = tl.load(gu_ptr + r * 2 * F + i, mask=live, other=0.0)
+    u = tl.load(gu_ptr + r * 2 * F + F + i, mask=live, other=0.0)
+    if GELU:                             # the tanh approximation, as F.gelu(approximate="tanh")
+        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        act = 0.5 * g * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0))
+    else:
+        act = g / (1.0 + tl.exp(-g))
+    tl.store(o_ptr + r * F + i, act * u, mask=live)
+
+
+def glu(gu: torch.Tensor, gelu: bool, block: int = 1024) -> torch.Tensor:
+    """gu [T, 2F] (gate | up) float32 -> act(gate) * up [T, F]."""
+    gu = gu.contiguous()
+    T, f = gu.shape[0], gu.shape[1] // 2
+    out = torch.empty(T, f, dtype=torch.float32, device=gu.device)
+    _glu[(T, triton.cdiv(f, block))](gu, out, f, GELU=gelu, BLOCK=block)
+    return out
