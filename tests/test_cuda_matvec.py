@@ -163,3 +163,30 @@ def test_blocks_model_batched_pass_is_single_steps_bitwise(tmp_path):
     m.forward(ids[:2], cache)
     for t in range(2, 6):
         assert torch.equal(m.forward(ids[t:t + 1], cache)[0], batched[t])
+
+
+@pytest.mark.parametrize("kind", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_dequantize_to_f16_matches_the_cpu(kind):
+    from jllm.cuda import q4_k, q6_k
+
+    n, k = 24, 768
+    raw = random_blocks(kind, n, k, seed=8)
+    w = TYPES[kind][0](raw, (n, k), DEV)
+    got = (q4_k.dequantize(w) if kind == T.Q4_K else q6_k.dequantize(w)).cpu()
+    assert got.dtype == torch.float16 and got.shape == (n, k)
+    want = dequantize(raw.numpy(), kind, (n, k))
+    assert torch.allclose(got.float(), want.float(), rtol=1e-3, atol=1e-3 * want.abs().max().item())
+
+
+def test_a_long_pass_multiplies_over_the_dequantized_matrix():
+    """More rows than MATVEC_ROWS (a prefill chunk): the f16 product, close to the matvec's rows."""
+    from jllm.cuda.linear import MATVEC_ROWS, BlocksLinear
+
+    n, k = 40, 512
+    parts = [TYPES[kind][0](random_blocks(kind, n, k, seed=i), (n, k), DEV) for i, kind in enumerate((T.Q4_K, T.Q6_K))]
+    lin = BlocksLinear(parts, torch.randn(2 * n).to(DEV))
+    x = torch.randn(MATVEC_ROWS + 4, k, generator=torch.Generator().manual_seed(7)).to(DEV)
+    long = lin(x)
+    rows = torch.cat([lin(x[i:i + 1]) for i in range(x.shape[0])])
+    assert not torch.equal(long, rows)                                 # another path
+    assert ((long - rows).abs().max() / rows.abs().max()).item() < 3e-3

@@ -1,6 +1,7 @@
 """The `blocks` precision's linear layer: the GGUF's own blocks on the GPU (Q4_K, Q6_K, Q4_0, Q5_0, Q8_0) and
-the Triton matvec over them, for every row count (decode, verify and prefill alike, each output row from its
-own input row). A layer of several matrices (q|k|v, gate|up) keeps one part per matrix, each in its own
+the Triton matvec over them for passes of up to MATVEC_ROWS rows (decode and verify: each output row from its
+own input row, so a verify row is bitwise a decode step); a longer pass (a prefill chunk) multiplies on the
+tensor cores over the matrix dequantized to f16 (Q4_K, Q6_K; the others stay on the matvec). A layer of several matrices (q|k|v, gate|up) keeps one part per matrix, each in its own
 type, their outputs side by side; a matrix of another type (F32, F16, BF16) is a bf16 part, multiplied by
 torch (which gives no such row guarantee; the Q4_K_M files' matrices are all block types).
 
@@ -45,6 +46,22 @@ def device_weight(raw, ggml_type: T, shape: tuple[int, int], device: torch.devic
     return Blocks32Weight.from_gguf(raw, ggml_type, shape, device)
 
 
+MATVEC_ROWS = 16        # passes of up to this many rows (decode, verify: jllm.model.transformer.GRAPH_ROWS)
+                        # multiply over the blocks, each row alone; longer ones (a prefill's chunks) over the
+                        # matrix dequantized to f16 on the tensor cores, a temporary of 2 bytes a weight
+
+
+def _dequantize(p):
+    """The part in f16 for a matrix product, or None where its type has no dequantizing kernel."""
+    from jllm.cuda import q4_k, q6_k
+
+    if isinstance(p, q4_k.Q4KWeight):
+        return q4_k.dequantize(p)
+    if isinstance(p, q6_k.Q6KWeight):
+        return q6_k.dequantize(p)
+    return None
+
+
 class BlocksLinear:
     """y = x @ W.T (+ b), W the row-wise concatenation of `parts` (device block weights, or bf16 tensors)."""
 
@@ -64,8 +81,10 @@ class BlocksLinear:
         for p in self.parts:                   # each part writes its columns of y, adding its part of the bias
             n = p.shape[0]
             cols, bias = y[:, at:at + n], None if self.bias is None else self.bias[at:at + n]
-            if isinstance(p, torch.Tensor):
-                cols.copy_(F.linear(x2.to(p.dtype), p).float() + (0 if bias is None else bias))
+            dense = p if isinstance(p, torch.Tensor) else (
+                _dequantize(p) if x2.shape[0] > MATVEC_ROWS else None)
+            if dense is not None:
+                cols.copy_(F.linear(x2.to(dense.dtype), dense).float() + (0 if bias is None else bias))
             else:
                 matvec(x2, p, out=cols, bias=bias)
             at += n

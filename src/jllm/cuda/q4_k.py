@@ -102,3 +102,34 @@ def launch(x: torch.Tensor, w: Q4KWeight, y: torch.Tensor, block_n: int, bias: t
     grid = (x.shape[0], triton.cdiv(n, block_n))
     _q4_k_matvec[grid](x, w.qs, w.d, w.dmin, w.sc, w.mn, y if bias is None else bias, y, n, k, w.d.shape[1],
                        y.stride(0), BLOCK_N=block_n, SB=sb, HAS_BIAS=bias is not None)
+
+
+@triton.jit
+def _q4_k_dequantize(qs_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, w_ptr, N, NB, BLOCK_N: tl.constexpr):
+    pid_n = tl.program_id(0)
+    kb = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    live = rows < N
+    j = tl.arange(0, 4)
+    lane = tl.arange(0, 32)
+    q = tl.load(qs_ptr + rows[:, None, None] * (NB * 128) + kb * 128 + j[None, :, None] * 32 + lane[None, None, :],
+                mask=live[:, None, None], other=0)
+    meta = (rows[:, None] * NB + kb) * 8 + 2 * j[None, :]
+    d = tl.load(d_ptr + rows * NB + kb, mask=live, other=0.0).to(tl.float32)[:, None, None]
+    dmin = tl.load(dmin_ptr + rows * NB + kb, mask=live, other=0.0).to(tl.float32)[:, None, None]
+    for half in tl.static_range(2):                     # sub-block 2j + half: the low nibbles, then the high
+        sc = tl.load(sc_ptr + meta + half, mask=live[:, None], other=0).to(tl.float32)[:, :, None]
+        mn = tl.load(mn_ptr + meta + half, mask=live[:, None], other=0).to(tl.float32)[:, :, None]
+        code = ((q >> (4 * half)) & 15).to(tl.float32)
+        val = d * sc * code - dmin * mn
+        at = rows[:, None, None] * (NB * 256) + kb * 256 + j[None, :, None] * 64 + half * 32 + lane[None, None, :]
+        tl.store(w_ptr + at, val.to(tl.float16), mask=live[:, None, None])
+
+
+def dequantize(w: Q4KWeight) -> torch.Tensor:
+    """The matrix in float16 [N, K] (a prefill's matrix product on the tensor cores)."""
+    n, k = w.shape
+    out = torch.empty(n, k, dtype=torch.float16, device=w.qs.device)
+    _q4_k_dequantize[(triton.cdiv(n, 16), w.d.shape[1])](w.qs, w.d, w.dmin, w.sc, w.mn, out, n, w.d.shape[1],
+                                                          BLOCK_N=16)
+    return out

@@ -93,3 +93,34 @@ def launch(x: torch.Tensor, w: Q6KWeight, y: torch.Tensor, block_n: int, bias: t
     grid = (x.shape[0], triton.cdiv(n, block_n))
     _q6_k_matvec[grid](x, w.ql, w.qh, w.sc, w.d, y if bias is None else bias, y, n, k, w.d.shape[1],
                        y.stride(0), BLOCK_N=block_n, SB=sb, HAS_BIAS=bias is not None)
+
+
+@triton.jit
+def _q6_k_dequantize(ql_ptr, qh_ptr, sc_ptr, d_ptr, w_ptr, N, NB, BLOCK_N: tl.constexpr):
+    pid_n = tl.program_id(0)
+    kb = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    live = rows < N
+    j = tl.arange(0, 8)                   # run j of 32 weights: 128h + 32s, h = j // 4, s = j % 4
+    lane = tl.arange(0, 32)
+    h, s = j // 4, j % 4
+    m3 = live[:, None, None]
+    lo = tl.load(ql_ptr + rows[:, None, None] * (NB * 128) + kb * 128 + (h * 64 + (s % 2) * 32)[None, :, None]
+                 + lane[None, None, :], mask=m3, other=0)
+    hi = tl.load(qh_ptr + rows[:, None, None] * (NB * 64) + kb * 64 + (h * 32)[None, :, None] + lane[None, None, :],
+                 mask=m3, other=0)
+    q = ((lo >> (4 * (s // 2))[None, :, None]) & 15) | (((hi >> (2 * s)[None, :, None]) & 3) << 4)
+    g = 2 * j[None, :, None] + lane[None, None, :] // 16                    # the run's 16-weight groups
+    sc = tl.load(sc_ptr + (rows[:, None, None] * NB + kb) * 16 + g, mask=m3, other=0).to(tl.float32)
+    d = tl.load(d_ptr + rows * NB + kb, mask=live, other=0.0).to(tl.float32)[:, None, None]
+    val = (d * sc) * (q.to(tl.float32) - 32.0)
+    at = rows[:, None, None] * (NB * 256) + kb * 256 + j[None, :, None] * 32 + lane[None, None, :]
+    tl.store(w_ptr + at, val.to(tl.float16), mask=m3)
+
+
+def dequantize(w: Q6KWeight) -> torch.Tensor:
+    """The matrix in float16 [N, K] (a prefill's matrix product on the tensor cores)."""
+    n, k = w.shape
+    out = torch.empty(n, k, dtype=torch.float16, device=w.ql.device)
+    _q6_k_dequantize[(triton.cdiv(n, 16), w.d.shape[1])](w.ql, w.qh, w.sc, w.d, out, n, w.d.shape[1], BLOCK_N=16)
+    return out
