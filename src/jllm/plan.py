@@ -43,7 +43,7 @@ def model_budget(g: GGUFFile, precision: str, ctx: int, output_rows: int | None 
     if precision in ("native", "native4"):
         return Budget(g.path.name, _native_weights(g, cfg, output_rows, precision == "native4"), kv, scratch)
     if precision == "blocks":
-        return Budget(g.path.name, _blocks_weights(g, cfg, output_rows), kv, scratch)
+        return Budget(g.path.name, _blocks_weights(g, cfg, output_rows), kv, scratch + _blocks_scratch(g, cfg, ctx))
     per = BYTES_PER_WEIGHT[precision]
     scale_bytes = 4 if per == 1 else 0              # int8: one f32 scale per output row
     weights = 0
@@ -82,6 +82,22 @@ def _blocks_weights(g: GGUFFile, cfg, output_rows: int | None) -> int:
         t = g.tensors["token_embd.weight"]
         weights += matrix(t, min(t.shape[0], output_rows or t.shape[0]))
     return weights
+
+
+def _blocks_scratch(g: GGUFFile, cfg, ctx: int) -> int:
+    """What the blocks precision adds to a pass's scratch: the f16 copy of the widest layer matrix that a
+    prefill chunk multiplies over (jllm.cuda.linear; q|k|v and gate|up are one part each) and attention's
+    per-chunk parts for 16 queries (jllm.cuda.attention)."""
+    from jllm.cuda.layout import QUERIES, chunk_size
+
+    widest = 0
+    for i in range(cfg.n_layers):
+        for names in (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"), ("attn_output",), ("ffn_down",)):
+            ts = [g.tensors.get(f"blk.{i}.{n}.weight") for n in names]
+            if all(ts):
+                widest = max(widest, sum(t.shape[0] for t in ts) * ts[0].shape[1])
+    chunks = -(-ctx // chunk_size(ctx))
+    return widest * 2 + QUERIES * cfg.n_heads * chunks * (cfg.head_dim + 2) * 4
 
 
 def _kv(cfg, ctx: int, precision: str) -> int:

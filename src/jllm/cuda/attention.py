@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from jllm.cuda.layout import QUERIES, chunk_size
+
 
 @triton.jit
 def _attention_chunk(q_ptr, k_ptr, v_ptr, part_ptr, ml_ptr, pos_ptr, window, scale, H, GROUP, MAX_T, NCH,
@@ -72,18 +74,6 @@ def _attention_combine(part_ptr, ml_ptr, o_ptr, pos_ptr, window, H, NCH, HD: tl.
     part = tl.load(part_ptr + at[:, None] * HD + d[None, :], mask=used[:, None], other=0.0)
     out = tl.sum(w[:, None] * part, axis=0) / tl.sum(w * l_c, axis=0)
     tl.store(o_ptr + (t * H + h) * HD + d, out)
-
-
-QUERIES = 16            # queries a launch: a prefill's scratch stays that of 16 (Qwen3-4B at 4,096: 16 MB)
-
-
-def chunk_size(max_t: int) -> int:
-    """Keys per chunk for a cache of max_t positions: a power of two >= 64, at most 64 chunks. A function of the
-    cache alone, so that every query of every call is split the same way."""
-    size = 64
-    while triton.cdiv(max_t, size) > 64:
-        size *= 2
-    return size
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int | torch.Tensor, window: int,

@@ -1,4 +1,4 @@
-"""What every device layout of GGUF blocks starts from: which block types have one, the bytes they take on the
+"""What every device layout of GGUF blocks starts from (and attention's chunking, which jllm plan budgets too): which block types have one, the bytes they take on the
 device, the tensor's bytes checked against its shape and cut into its blocks. No triton here: `jllm plan`
 budgets the layouts from this alone."""
 
@@ -29,6 +29,18 @@ def file_blocks(raw, ggml_type: T, shape: tuple[int, int]) -> torch.Tensor:
     if b.numel() != n * nb * size:
         raise ValueError(f"{b.numel()} bytes for a {ggml_type.name} tensor of {n} x {k} (want {n * nb * size})")
     return b.view(n, nb, size)
+
+
+QUERIES = 16            # attention's queries a launch: a prefill's scratch stays that of 16 (jllm.cuda.attention)
+
+
+def chunk_size(max_t: int) -> int:
+    """Attention's keys per chunk for a cache of max_t positions: a power of two >= 64, at most 64 chunks. A
+    function of the cache alone, so that every query of every call is split the same way."""
+    size = 64
+    while -(-max_t // size) > 64:
+        size *= 2
+    return size
 
 
 def nbytes(*tensors: torch.Tensor | None) -> int:
