@@ -15,7 +15,8 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 S15=/tmp/s15.gguf
 [ -f $S15 ] || python3 benchmarks/synthetic_gguf.py $S15 --shape qwen2.5-1.5b --dtype q4_k_m
 if [ -z "$ARGS" ] || want tests; then
-  python3 -m pytest -q -x tests/test_cuda.py tests/test_cuda_matvec.py tests/test_cuda_attention.py tests/test_cuda_fused.py 2>&1 \
+  python3 -m pytest -q -x tests/test_cuda.py tests/test_cuda_matvec.py tests/test_cuda_attention.py \
+    tests/test_cuda_fused.py 2>&1 \
     | tee "$OUT/tests.log" | tail -25
 fi
 if [ -z "$ARGS" ] || want matvec; then

@@ -88,7 +88,7 @@ def _blocks_scratch(g: GGUFFile, cfg, ctx: int) -> int:
     """What the blocks precision adds to a pass's scratch: the f16 copy of the widest layer matrix that a
     prefill chunk multiplies over (jllm.cuda.linear; q|k|v and gate|up are one part each) and attention's
     per-chunk parts for 16 queries (jllm.cuda.attention)."""
-    from jllm.cuda.layout import QUERIES, chunk_size
+    from jllm.cuda.layout import QUERIES, n_chunks
 
     widest = 0
     for i in range(cfg.n_layers):
@@ -96,8 +96,7 @@ def _blocks_scratch(g: GGUFFile, cfg, ctx: int) -> int:
             ts = [g.tensors.get(f"blk.{i}.{n}.weight") for n in names]
             if all(ts):
                 widest = max(widest, sum(t.shape[0] for t in ts) * ts[0].shape[1])
-    chunks = -(-ctx // chunk_size(ctx))
-    return widest * 2 + QUERIES * cfg.n_heads * chunks * (cfg.head_dim + 2) * 4
+    return widest * 2 + QUERIES * cfg.n_heads * n_chunks(ctx) * (cfg.head_dim + 2) * 4
 
 
 def _kv(cfg, ctx: int, precision: str) -> int:

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from jllm.cuda.layout import QUERIES, chunk_size
+from jllm.cuda.layout import QUERIES, chunk_size, n_chunks
 
 
 @triton.jit
@@ -89,14 +89,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int | torc
         if pos + T > max_t:
             raise ValueError(f"positions up to {pos + T - 1} in a cache of {max_t}")
         pos = torch.arange(pos, pos + T, device=q.device)
-    chunk = chunk_size(max_t)
-    nch = triton.cdiv(max_t, chunk)
+    chunk, nch = chunk_size(max_t), n_chunks(max_t)
     out = torch.empty(T, H, hd, dtype=torch.float32, device=q.device)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    part = torch.empty(min(QUERIES, T), H, nch, hd, dtype=torch.float32, device=q.device)
+    ml = torch.empty(min(QUERIES, T), H, nch, 2, dtype=torch.float32, device=q.device)
     for s in range(0, T, QUERIES):       # the chunks' parts of QUERIES queries at a time bound the scratch
         n = min(QUERIES, T - s)
-        part = torch.empty(n, H, nch, hd, dtype=torch.float32, device=q.device)
-        ml = torch.empty(n, H, nch, 2, dtype=torch.float32, device=q.device)
         _attention_chunk[(n, H, nch)](q[s:], k, v, part, ml, pos[s:], window, scale, H, H // hk, max_t, nch,
                                       HD=hd, CHUNK=chunk, BLOCK_T=min(block_t, chunk))
         _attention_combine[(n, H)](part, ml, out[s:], pos[s:], window, H, nch, HD=hd,

@@ -30,20 +30,22 @@ def _rms_norm(x_ptr, a_ptr, w_ptr, xo_ptr, h_ptr, D, eps, HAS_ADD: tl.constexpr,
     tl.store(h_ptr + r * D + i, x * tl.rsqrt(ms + eps) * w, mask=live)
 
 
+def _norm(x: torch.Tensor, a: torch.Tensor | None, w: torch.Tensor, eps: float):
+    x = x.contiguous()
+    xo, h = (x if a is None else torch.empty_like(x)), torch.empty_like(x)
+    _rms_norm[(x.shape[0],)](x, x if a is None else a.contiguous(), w, xo, h, x.shape[1], eps, HAS_ADD=a is not None,
+                             BLOCK=triton.next_power_of_2(x.shape[1]))
+    return xo, h
+
+
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """x [T, D] float32 -> x / rms(x) * w."""
-    x = x.contiguous()
-    h = torch.empty_like(x)
-    _rms_norm[(x.shape[0],)](x, x, w, x, h, x.shape[1], eps, HAS_ADD=False, BLOCK=triton.next_power_of_2(x.shape[1]))
-    return h
+    return _norm(x, None, w, eps)[1]
 
 
 def add_rms_norm(x: torch.Tensor, a: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """x, a [T, D] float32 -> (x + a, rms_norm(x + a) * w)."""
-    x, a = x.contiguous(), a.contiguous()
-    xo, h = torch.empty_like(x), torch.empty_like(x)
-    _rms_norm[(x.shape[0],)](x, a, w, xo, h, x.shape[1], eps, HAS_ADD=True, BLOCK=triton.next_power_of_2(x.shape[1]))
-    return xo, h
+    return _norm(x, a, w, eps)
 
 
 @triton.jit

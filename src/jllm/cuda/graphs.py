@@ -6,8 +6,8 @@ milliseconds whatever the model's size. Captured once per (KV cache, row count) 
 of its inputs into the graph's buffers and one replay.
 
 What makes a pass capturable: its inputs are device tensors at fixed addresses (the embedded rows x and their
-positions pos, int64), every position-dependent operation reads pos on the device (RoPE's table rows, the
-cache writes by index_copy_, attention's key ranges: jllm.cuda.attention), and nothing in it synchronises
+positions pos, int64), every position-dependent operation reads pos on the device (RoPE and the cache writes:
+jllm.cuda.fused.rope_store; attention's key ranges: jllm.cuda.attention), and nothing in it synchronises
 with the host. The graph bakes in the KV cache's addresses, so graphs are kept per cache object and dropped
 with it (a weak reference), and the first call of each shape runs eagerly (compiling the kernels) before the
 capture. A replay runs the same kernels on the same shapes as the eager pass, so its logits are bitwise the

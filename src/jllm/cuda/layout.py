@@ -1,6 +1,6 @@
-"""What every device layout of GGUF blocks starts from (and attention's chunking, which jllm plan budgets too): which block types have one, the bytes they take on the
-device, the tensor's bytes checked against its shape and cut into its blocks. No triton here: `jllm plan`
-budgets the layouts from this alone."""
+"""What every device layout of GGUF blocks starts from: which block types have one, the bytes they take on the
+device, the tensor's bytes checked against its shape and cut into its blocks; and attention's chunking. No
+triton here: `jllm plan` budgets the layouts and attention's scratch from this alone."""
 
 from __future__ import annotations
 
@@ -38,9 +38,14 @@ def chunk_size(max_t: int) -> int:
     """Attention's keys per chunk for a cache of max_t positions: a power of two >= 64, at most 64 chunks. A
     function of the cache alone, so that every query of every call is split the same way."""
     size = 64
-    while -(-max_t // size) > 64:
+    while n_chunks(max_t, size) > 64:
         size *= 2
     return size
+
+
+def n_chunks(max_t: int, size: int | None = None) -> int:
+    """How many chunks of `size` (default chunk_size(max_t)) keys cover a cache of max_t positions."""
+    return -(-max_t // (size or chunk_size(max_t)))
 
 
 def nbytes(*tensors: torch.Tensor | None) -> int:

@@ -1,9 +1,10 @@
 """The `blocks` precision's linear layer: the GGUF's own blocks on the GPU (Q4_K, Q6_K, Q4_0, Q5_0, Q8_0) and
 the Triton matvec over them for passes of up to MATVEC_ROWS rows (decode and verify: each output row from its
 own input row, so a verify row is bitwise a decode step); a longer pass (a prefill chunk) multiplies on the
-tensor cores over the matrix dequantized to f16 (Q4_K, Q6_K; the others stay on the matvec). A layer of several matrices (q|k|v, gate|up) keeps one part per matrix, each in its own
-type, their outputs side by side; a matrix of another type (F32, F16, BF16) is a bf16 part, multiplied by
-torch (which gives no such row guarantee; the Q4_K_M files' matrices are all block types).
+tensor cores over the matrix dequantized to f16 (Q4_K, Q6_K; the others stay on the matvec). A layer of
+several matrices (q|k|v, gate|up) keeps one part per run of matrices of one type, their outputs side by side;
+a matrix of another type (F32, F16, BF16) is a bf16 part, multiplied by torch (which gives no such row
+guarantee; the Q4_K_M files' matrices are all block types).
 
 It runs where Triton runs: on a CUDA device, or, for the tests, in Triton's interpreter on the CPU
 (TRITON_INTERPRET=1).
@@ -46,9 +47,9 @@ def device_weight(raw, ggml_type: T, shape: tuple[int, int], device: torch.devic
     return Blocks32Weight.from_gguf(raw, ggml_type, shape, device)
 
 
-MATVEC_ROWS = 16        # passes of up to this many rows (decode, verify: jllm.model.transformer.GRAPH_ROWS)
-                        # multiply over the blocks, each row alone; longer ones (a prefill's chunks) over the
-                        # matrix dequantized to f16 on the tensor cores, a temporary of 2 bytes a weight
+MATVEC_ROWS = 16        # passes of up to this many rows (decode, verify; the CUDA graphs' passes) multiply
+                        # over the blocks, each row alone; longer ones (a prefill's chunks) over the matrix
+                        # dequantized to f16 on the tensor cores, a temporary of 2 bytes a weight
 
 
 def _dequantize(p):

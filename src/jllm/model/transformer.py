@@ -19,8 +19,6 @@ from jllm.model.config import ModelConfig
 from jllm.model.kv_cache import KVCache, kv_dtype
 from jllm.model.weights import Weights
 
-GRAPH_ROWS = 16         # CUDA graphs for passes of up to this many rows: decode, verify, a prefill's tail
-
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, w.shape, w, eps)
@@ -57,7 +55,7 @@ class Transformer:
         # the blocks precision (a GPU, or Triton's interpreter in the tests): attention by jllm.cuda.attention,
         # each (query, head) over exactly its keys, as the CPU kernel does, so that batched passes are bitwise
         # single steps there too; positions on the device, so that a step can be a CUDA graph (cuda/graphs.py)
-        from jllm.cuda.linear import BlocksLinear
+        from jllm.cuda.linear import MATVEC_ROWS, BlocksLinear
 
         self.block_attention = isinstance(weights.output, BlocksLinear)
         self.kernels = None
@@ -76,7 +74,7 @@ class Transformer:
         if self.block_attention and device.type == "cuda" and os.environ.get("JLLM_CUDA_GRAPHS", "1") != "0":
             from jllm.cuda.graphs import StepGraphs
 
-            self.graphs = StepGraphs(self._blocks_body, GRAPH_ROWS)
+            self.graphs = StepGraphs(self._blocks_body, MATVEC_ROWS)    # the passes that stay row-exact
 
     def _native_stack(self):
         from jllm.model.qlinear import GROUP_BYTES, QLinear
