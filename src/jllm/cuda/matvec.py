@@ -13,14 +13,15 @@ _KERNELS = {q4_k.Q4KWeight: q4_k.launch, q6_k.Q6KWeight: q6_k.launch, blocks32.B
 
 def setting(w) -> tuple[int, int]:
     """(outputs a program, super-blocks a step) for a matrix: a function of its type and shape alone, never of
-    the row count, so that every call over it sums each row in the same order. Chosen by benchmarks/cuda_matvec.py
-    on the H200 for one row (decode): few outputs a program for the layers' matrices (enough programs for the
-    chip), more super-blocks a step for long rows (ffn_down: enough bytes in flight), 16 x 1 for the output."""
+    the row count, so that every call over it sums each row in the same order. For Q4_K and Q6_K: 16 or 32
+    outputs a program, so that a thread holds two or more rows of weights for each x it loads (jllm.cuda.codes'
+    instruction count a weight falls with it); 8 x 4 for long rows (ffn_down), for enough programs and bytes
+    in flight. benchmarks/cuda_matvec.py times the others on the GPU."""
     n, k = w.shape
     if isinstance(w, (q4_k.Q4KWeight, q6_k.Q6KWeight)):
         if n >= 65536:
-            return 16, 1
-        return 8, (4 if k >= 4096 else 2)
+            return 32, 1
+        return (8, 4) if k >= 4096 else (16, 2)
     return (32 if n >= 16384 else 16), 1
 
 

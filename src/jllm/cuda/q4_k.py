@@ -1,20 +1,22 @@
-"""Q4_K weights on the GPU at about their GGUF size, and y = x W^T over them in Triton (issue 23's first piece).
+"""Q4_K weights on the GPU at about their GGUF size, and y = x W^T over them in Triton (issue 23).
 
 Layout (`Q4KWeight.from_gguf`, made once at load): a Q4_K super-block of 256 weights is 144 bytes in the file
 (d and dmin f16, eight 6-bit scale and min codes packed in 12 bytes, 128 bytes of 4-bit codes). On the device
-the codes stay as they are, qs [N, K/2] uint8 (within each 64 weights of a block, byte l holds weight l in
-its low nibble and weight 32 + l in its high one), and the header is unpacked once: d, dmin [N, K/256] f16 and
-the scale and min codes [N, K/256, 8] uint8, 148 bytes a block (1.03x the file's). Unpacking the codes in the
-kernel would save those 4 bytes a block for more integer work every step; this keeps the kernel simple first.
+the header is unpacked once: d, dmin [N, K/256] f16 and the scale and min codes [N, K/256, 8] uint8, 148 bytes a
+block (1.03x the file's). The codes are repacked for the kernel, qs [N, K/2] uint8: each sub-block of 32 weights
+(one scale, one min) is four 32-bit words, and word t holds weight 4i + t in the low nibble of its byte i and
+weight 16 + 4i + t in the high nibble. So one mask of a word gives four codes a byte (jllm.cuda.codes turns
+them into floats), and the four words of a sub-block meet x at four consecutive positions per code slot, one
+vector load of x for four words.
 
 The kernel (`launch`, called by jllm.cuda.matvec) computes each output y[m, n] from its own row x[m] only,
 with one fixed order of operations whatever the number of rows M: one program per (one row of x, BLOCK_N
-outputs), a loop over the super-blocks, SB of them (SB * 128 contiguous bytes of each output's codes) a step so
-that enough bytes are in flight; per sub-block of 32 weights the codes' dot product with x and x's sum, then
-d * scale * dot - dmin * min * sum in float32 (the dequantized weights' dot product, factored). So a verify
-pass over k + 1 rows gives each row the logits of a pass over that row alone, bit for bit, which exact
-speculation on the GPU needs (tests/test_cuda_matvec.py). Without a GPU the same kernel runs in Triton's interpreter
-(TRITON_INTERPRET=1), which is how the tests check it on the CPU.
+outputs), a loop over the super-blocks, SB of them a step; per word the eight codes' products with x summed
+into the word's own float32 sum, then d * scale * that - dmin * min * (x's sum over the word's positions), the
+dequantized weights' dot product factored. So a verify pass over k + 1 rows gives each row the logits of a
+pass over that row alone, bit for bit, which exact speculation on the GPU needs (tests/test_cuda_matvec.py).
+Without a GPU the same kernel runs in Triton's interpreter (TRITON_INTERPRET=1), which is how the tests check it
+on the CPU.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import triton.language as tl
 
 from gguf import GGMLQuantizationType as T
 
+from jllm.cuda.codes import ASM, as_float, byte_floats
 from jllm.cuda.layout import file_blocks, nbytes
 from jllm.gguf.quants import k_scale_codes
 
@@ -53,43 +56,60 @@ class Q4KWeight:
         n, nb = b.shape[:2]
         b = b.reshape(n * nb, -1)
         d, dmin, sc, mn = k_scale_codes(b)
-        return cls(qs=b[:, 16:].reshape(n, nb * 128).contiguous().to(device),
+        return cls(qs=pack_codes(b[:, 16:]).reshape(n, nb * 128).to(device),
                    d=d.to(torch.float16).view(n, nb).to(device), dmin=dmin.to(torch.float16).view(n, nb).to(device),
                    sc=sc.reshape(n, nb, 8).contiguous().to(device), mn=mn.reshape(n, nb, 8).contiguous().to(device))
 
 
+def pack_codes(qs: torch.Tensor) -> torch.Tensor:
+    """The file's code bytes [R, 128] of R super-blocks (byte 32c + l: weight 64c + l low, 64c + 32 + l high)
+    -> the device's [R, 128]: sub-block s's bytes 16s + 4t + i hold weight 4i + t (low) and 16 + 4i + t (high)."""
+    r = qs.shape[0]
+    q = qs.reshape(r, 4, 1, 32)
+    codes = torch.cat([q & 15, q >> 4], dim=2).reshape(r, 8, 8, 4)          # [R, sub-block, slot j, word t]
+    packed = codes[:, :, :4] | (codes[:, :, 4:] << 4)                       # [R, s, byte i, word t]
+    return packed.transpose(2, 3).contiguous().reshape(r, 128)
+
+
 @triton.jit
 def _q4_k_matvec(x_ptr, qs_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, b_ptr, y_ptr, N, K, NB, Y_STRIDE,
-                 BLOCK_N: tl.constexpr, SB: tl.constexpr, HAS_BIAS: tl.constexpr):
+                 BLOCK_N: tl.constexpr, SB: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr,
+                 EVEN: tl.constexpr):
     m = tl.program_id(0)                  # the rows of one block of outputs run side by side: its weights
     pid_n = tl.program_id(1)              # are read from memory once, the other rows find them in L2
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     live = rows < N
-    j = tl.arange(0, 4 * SB)              # 32-byte chunks of SB super-blocks: chunk j holds sub-blocks 2j, 2j + 1
-    lane = tl.arange(0, 32)
-    acc = tl.zeros((BLOCK_N, 4 * SB), dtype=tl.float32)
+    S: tl.constexpr = 8 * SB              # sub-blocks of 32 weights a step
+    s = tl.arange(0, S)
+    t = tl.arange(0, 4)                   # a sub-block's four words
+    acc = tl.zeros((BLOCK_N, S, 4), dtype=tl.float32)
     for kb in range(0, tl.cdiv(NB, SB)):
-        b0 = kb * SB                                            # the first super-block of this step
-        ok = (b0 + j // 4) < NB                                 # the last step may hold fewer
-        m2 = live[:, None] & ok[None, :]
-        q = tl.load(qs_ptr + rows[:, None, None] * (NB * 128) + b0 * 128 + j[None, :, None] * 32
-                    + lane[None, None, :], mask=m2[:, :, None], other=0)                  # [BN, 4 SB, 32]
-        xo = m * K + b0 * 256 + j[:, None] * 64 + lane[None, :]                           # sub-block 2j
-        x_lo = tl.load(x_ptr + xo, mask=ok[:, None], other=0.0).to(tl.float32)
-        x_hi = tl.load(x_ptr + xo + 32, mask=ok[:, None], other=0.0).to(tl.float32)     # sub-block 2j + 1
-        s_lo = tl.sum((q & 15).to(tl.float32) * x_lo[None, :, :], axis=2)                 # [BN, 4 SB]
-        s_hi = tl.sum((q >> 4).to(tl.float32) * x_hi[None, :, :], axis=2)
-        meta = (rows[:, None] * NB + b0) * 8 + 2 * j[None, :]
-        sc_lo = tl.load(sc_ptr + meta, mask=m2, other=0).to(tl.float32)
-        sc_hi = tl.load(sc_ptr + meta + 1, mask=m2, other=0).to(tl.float32)
-        mn_lo = tl.load(mn_ptr + meta, mask=m2, other=0).to(tl.float32)
-        mn_hi = tl.load(mn_ptr + meta + 1, mask=m2, other=0).to(tl.float32)
-        blk = rows[:, None] * NB + b0 + j[None, :] // 4
+        sub = kb * S + s                                        # the row's sub-block ids this step
+        ok = (sub < NB * 8) | EVEN                              # the last step may hold fewer
+        m2 = (live[:, None] & ok[None, :]) | EVEN              # EVEN: the tiles fill the matrix, no masks
+        q = tl.load(qs_ptr + rows[:, None, None] * (NB * 32) + sub[None, :, None] * 4 + t[None, None, :],
+                    mask=m2[:, :, None], other=0)                                   # int32 [BN, S, 4]
+        xo = m * K + sub[:, None] * 32 + t[None, :]             # slot j of word t: weight 4j + t
+        lo = byte_floats(q & 0x0F0F0F0F, USE_ASM)               # slots 0..3
+        hi = byte_floats((q >> 4) & 0x0F0F0F0F, USE_ASM)        # slots 4..7
+        xs = tl.load(x_ptr + xo, mask=ok[:, None], other=0.0)
+        sw = as_float(lo[0], 0.0) * xs[None, :, :]
+        for j in tl.static_range(1, 4):
+            xj = tl.load(x_ptr + xo + 4 * j, mask=ok[:, None], other=0.0)
+            xs += xj
+            sw += as_float(lo[j], 0.0) * xj[None, :, :]
+        for j in tl.static_range(4):
+            xj = tl.load(x_ptr + xo + 16 + 4 * j, mask=ok[:, None], other=0.0)
+            xs += xj
+            sw += as_float(hi[j], 0.0) * xj[None, :, :]
+        meta = rows[:, None] * (NB * 8) + sub[None, :]
+        sc = tl.load(sc_ptr + meta, mask=m2, other=0).to(tl.float32)
+        mn = tl.load(mn_ptr + meta, mask=m2, other=0).to(tl.float32)
+        blk = rows[:, None] * NB + sub[None, :] // 8
         d = tl.load(d_ptr + blk, mask=m2, other=0.0).to(tl.float32)
         dmin = tl.load(dmin_ptr + blk, mask=m2, other=0.0).to(tl.float32)
-        acc += d * (sc_lo * s_lo + sc_hi * s_hi) - dmin * (mn_lo * tl.sum(x_lo, axis=1)[None, :]
-                                                           + mn_hi * tl.sum(x_hi, axis=1)[None, :])
-    y = tl.sum(acc, axis=1)
+        acc += (d * sc)[:, :, None] * sw - (dmin * mn)[:, :, None] * xs[None, :, :]
+    y = tl.sum(tl.reshape(acc, (BLOCK_N, S * 4)), axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=live, other=0.0)
     tl.store(y_ptr + m * Y_STRIDE + rows, y, mask=live)
@@ -100,36 +120,40 @@ def launch(x: torch.Tensor, w: Q4KWeight, y: torch.Tensor, block_n: int, bias: t
     """y [M, N] (rows y.stride(0) apart: a column range of a wider output) = x W^T (+ bias)."""
     n, k = w.shape
     grid = (x.shape[0], triton.cdiv(n, block_n))
-    _q4_k_matvec[grid](x, w.qs, w.d, w.dmin, w.sc, w.mn, y if bias is None else bias, y, n, k, w.d.shape[1],
-                       y.stride(0), BLOCK_N=block_n, SB=sb, HAS_BIAS=bias is not None)
+    _q4_k_matvec[grid](x, w.qs.view(torch.int32), w.d, w.dmin, w.sc, w.mn, y if bias is None else bias, y, n, k,
+                       w.d.shape[1], y.stride(0), BLOCK_N=block_n, SB=sb, HAS_BIAS=bias is not None, USE_ASM=ASM,
+                       EVEN=n % block_n == 0 and w.d.shape[1] % sb == 0)
 
 
 @triton.jit
-def _q4_k_dequantize(qs_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, w_ptr, N, NB, BLOCK_N: tl.constexpr):
+def _q4_k_dequantize(qs_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, w_ptr, N, NB, BLOCK_N: tl.constexpr,
+                     USE_ASM: tl.constexpr):
     pid_n = tl.program_id(0)
     kb = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     live = rows < N
-    j = tl.arange(0, 4)
-    lane = tl.arange(0, 32)
-    q = tl.load(qs_ptr + rows[:, None, None] * (NB * 128) + kb * 128 + j[None, :, None] * 32 + lane[None, None, :],
-                mask=live[:, None, None], other=0)
-    meta = (rows[:, None] * NB + kb) * 8 + 2 * j[None, :]
-    d = tl.load(d_ptr + rows * NB + kb, mask=live, other=0.0).to(tl.float32)[:, None, None]
-    dmin = tl.load(dmin_ptr + rows * NB + kb, mask=live, other=0.0).to(tl.float32)[:, None, None]
-    for half in tl.static_range(2):                     # sub-block 2j + half: the low nibbles, then the high
-        sc = tl.load(sc_ptr + meta + half, mask=live[:, None], other=0).to(tl.float32)[:, :, None]
-        mn = tl.load(mn_ptr + meta + half, mask=live[:, None], other=0).to(tl.float32)[:, :, None]
-        code = ((q >> (4 * half)) & 15).to(tl.float32)
-        val = d * sc * code - dmin * mn
-        at = rows[:, None, None] * (NB * 256) + kb * 256 + j[None, :, None] * 64 + half * 32 + lane[None, None, :]
-        tl.store(w_ptr + at, val.to(tl.float16), mask=live[:, None, None])
+    s = tl.arange(0, 8)
+    t = tl.arange(0, 4)
+    m3 = live[:, None, None]
+    q = tl.load(qs_ptr + rows[:, None, None] * (NB * 32) + kb * 32 + s[None, :, None] * 4 + t[None, None, :],
+                mask=m3, other=0)
+    meta = (rows[:, None] * NB + kb) * 8 + s[None, :]
+    ds = (tl.load(d_ptr + rows * NB + kb, mask=live, other=0.0).to(tl.float32)[:, None]
+          * tl.load(sc_ptr + meta, mask=live[:, None], other=0).to(tl.float32))[:, :, None]
+    dm = (tl.load(dmin_ptr + rows * NB + kb, mask=live, other=0.0).to(tl.float32)[:, None]
+          * tl.load(mn_ptr + meta, mask=live[:, None], other=0).to(tl.float32))[:, :, None]
+    lo = byte_floats(q & 0x0F0F0F0F, USE_ASM)
+    hi = byte_floats((q >> 4) & 0x0F0F0F0F, USE_ASM)
+    at = rows[:, None, None] * (NB * 256) + kb * 256 + s[None, :, None] * 32 + t[None, None, :]
+    for j in tl.static_range(4):
+        tl.store(w_ptr + at + 4 * j, (ds * as_float(lo[j], 0.0) - dm).to(tl.float16), mask=m3)
+        tl.store(w_ptr + at + 16 + 4 * j, (ds * as_float(hi[j], 0.0) - dm).to(tl.float16), mask=m3)
 
 
 def dequantize(w: Q4KWeight) -> torch.Tensor:
     """The matrix in float16 [N, K] (a prefill's matrix product on the tensor cores)."""
     n, k = w.shape
     out = torch.empty(n, k, dtype=torch.float16, device=w.qs.device)
-    _q4_k_dequantize[(triton.cdiv(n, 16), w.d.shape[1])](w.qs, w.d, w.dmin, w.sc, w.mn, out, n, w.d.shape[1],
-                                                          BLOCK_N=16)
+    _q4_k_dequantize[(triton.cdiv(n, 16), w.d.shape[1])](w.qs.view(torch.int32), w.d, w.dmin, w.sc, w.mn, out, n,
+                                                          w.d.shape[1], BLOCK_N=16, USE_ASM=ASM)
     return out

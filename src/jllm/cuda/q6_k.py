@@ -2,12 +2,14 @@
 the row-independence this keeps).
 
 Layout (`Q6KWeight.from_gguf`): a Q6_K super-block of 256 weights is 210 bytes (ql[128]: the low 4 bits,
-qh[64]: the high 2, 16 int8 scales, d f16); on the device the same bytes split by field, ql [N, K/2],
-qh [N, K/4], scales [N, K/256, 16] int8, d [N, K/256] f16: 1.00x the file's. Weight 128h + 32s + l of a
-block (h < 2, s < 4, l < 32) has its low bits in the low (s < 2) or high (s >= 2) nibble of ql[64h + 32(s % 2)
-+ l], its high bits at bit 2s of qh[32h + l], and scale 8h + 2s + l // 16; value = (d * scale) * (q - 32) in
-float32, as jllm.gguf.quants decodes it. The kernel takes SB super-blocks of each output row a step, and per
-group of 16 weights the codes' dot product with x, times d * scale.
+qh[64]: the high 2, 16 int8 scales, d f16); on the device the same bytes split by field and the codes repacked
+for the kernel (1.00x the file's): scales [N, K/256, 16] int8, d [N, K/256] f16, and per group of 16 weights
+(one scale) two ql words and one qh word, ql [N, K/2] and qh [N, K/4]. ql word t (0, 1) of a group holds the
+low bits of weight 2i + t in the low nibble of its byte i and of weight 8 + 2i + t in the high nibble; byte i
+of the qh word holds the high bits of weights 2i, 8 + 2i, 2i + 1, 9 + 2i at bits 0, 2, 4, 6. So a mask and a
+shift or two give a word's four codes a byte (jllm.cuda.codes), and code slot j of word t meets x at 2j + t.
+Value = (d * scale) * (q - 32) in float32, as jllm.gguf.quants decodes it. The kernel takes SB super-blocks of
+each output row a step, per word the eight codes' products with x summed, times d * scale.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType as T
 
+from jllm.cuda.codes import ASM, as_float, byte_floats
 from jllm.cuda.layout import file_blocks, nbytes
 
 
@@ -41,46 +44,63 @@ class Q6KWeight:
         """raw: the tensor's Q6_K bytes (uint8, N * K / 256 * 210 of them), shape (N, K) -> the device layout."""
         b = file_blocks(raw, T.Q6_K, shape)
         n, nb = b.shape[:2]
-        return cls(ql=b[:, :, :128].reshape(n, nb * 128).contiguous().to(device),
-                   qh=b[:, :, 128:192].reshape(n, nb * 64).contiguous().to(device),
+        ql, qh = pack_codes(b.reshape(n * nb, -1))
+        return cls(ql=ql.reshape(n, nb * 128).to(device), qh=qh.reshape(n, nb * 64).to(device),
                    sc=b[:, :, 192:208].contiguous().view(torch.int8).to(device),
                    d=b[:, :, 208:210].contiguous().view(torch.float16).reshape(n, nb).to(device))
 
 
+def pack_codes(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """R file blocks [R, 210] -> the device's code bytes (ql [R, 128], qh [R, 64]; see the module's doc)."""
+    r = b.shape[0]
+    ql = b[:, :128].reshape(r, 2, 1, 2, 32)                                     # [R, h, _, s % 2, l]
+    lo = torch.cat([ql & 15, ql >> 4], dim=2).reshape(r, 2, 4, 32)              # [R, h, s, l]
+    hi = (b[:, 128:192].reshape(r, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)) & 3
+    lo, hi = lo.reshape(r, 16, 2, 4, 2), hi.reshape(r, 16, 2, 4, 2)           # [R, group, slot j // 4, i, t]
+    ql = (lo[:, :, 0] | (lo[:, :, 1] << 4)).transpose(2, 3)                     # [R, group, t, byte i]
+    qh = hi[:, :, 0, :, 0] | (hi[:, :, 1, :, 0] << 2) | (hi[:, :, 0, :, 1] << 4) | (hi[:, :, 1, :, 1] << 6)
+    return ql.contiguous().reshape(r, 128), qh.contiguous().reshape(r, 64)
+
+
+@triton.jit
+def _six_bits(q, h):
+    """ql words and their groups' qh bits (already shifted for the word) -> the codes of slots 0..3, 4..7, a
+    byte each."""
+    return (q & 0x0F0F0F0F) | ((h << 4) & 0x30303030), ((q >> 4) & 0x0F0F0F0F) | ((h << 2) & 0x30303030)
+
+
 @triton.jit
 def _q6_k_matvec(x_ptr, ql_ptr, qh_ptr, sc_ptr, d_ptr, b_ptr, y_ptr, N, K, NB, Y_STRIDE,
-                 BLOCK_N: tl.constexpr, SB: tl.constexpr, HAS_BIAS: tl.constexpr):
+                 BLOCK_N: tl.constexpr, SB: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr,
+                 EVEN: tl.constexpr):
     m = tl.program_id(0)                  # the rows of one block of outputs run side by side: its weights
     pid_n = tl.program_id(1)              # are read from memory once, the other rows find them in L2
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     live = rows < N
-    J: tl.constexpr = 8 * SB              # runs of 32 weights in SB super-blocks: run j is 128h + 32s of block j // 8
-    j = tl.arange(0, J)
-    lane = tl.arange(0, 32)
-    g = tl.arange(0, 2 * J)               # the 16-weight groups, one scale each
-    r = j % 8
-    h, s = r // 4, r % 4
-    lo_at = (j // 8) * 128 + h * 64 + (s % 2) * 32
-    hi_at = (j // 8) * 64 + h * 32
-    acc = tl.zeros((BLOCK_N, 2 * J), dtype=tl.float32)
+    G: tl.constexpr = 16 * SB             # groups of 16 weights (one scale each) a step
+    g = tl.arange(0, G)
+    t = tl.arange(0, 2)                   # a group's two ql words
+    acc = tl.zeros((BLOCK_N, G, 2), dtype=tl.float32)
     for kb in range(0, tl.cdiv(NB, SB)):
-        b0 = kb * SB
-        ok = (b0 + j // 8) < NB
-        m3 = (live[:, None] & ok[None, :])[:, :, None]
-        lo = tl.load(ql_ptr + rows[:, None, None] * (NB * 128) + b0 * 128 + lo_at[None, :, None]
-                     + lane[None, None, :], mask=m3, other=0)
-        hi = tl.load(qh_ptr + rows[:, None, None] * (NB * 64) + b0 * 64 + hi_at[None, :, None]
-                     + lane[None, None, :], mask=m3, other=0)
-        q = ((lo >> (4 * (s // 2))[None, :, None]) & 15) | (((hi >> (2 * s)[None, :, None]) & 3) << 4)
-        x = tl.load(x_ptr + m * K + b0 * 256 + j[:, None] * 32 + lane[None, :], mask=ok[:, None],
-                    other=0.0).to(tl.float32)
-        prod = (q.to(tl.float32) - 32.0) * x[None, :, :]                                 # [BN, J, 32]
-        part = tl.sum(tl.reshape(prod, (BLOCK_N, 2 * J, 16)), axis=2)                     # group 2j + l // 16
-        okg = live[:, None] & ((b0 + g // 16) < NB)[None, :]
-        sc = tl.load(sc_ptr + (rows[:, None] * NB + b0) * 16 + g[None, :], mask=okg, other=0).to(tl.float32)
-        d = tl.load(d_ptr + rows[:, None] * NB + b0 + g[None, :] // 16, mask=okg, other=0.0).to(tl.float32)
-        acc += (d * sc) * part
-    y = tl.sum(acc, axis=1)
+        grp = kb * G + g
+        ok = (grp < NB * 16) | EVEN
+        m2 = (live[:, None] & ok[None, :]) | EVEN              # EVEN: the tiles fill the matrix, no masks
+        q = tl.load(ql_ptr + rows[:, None, None] * (NB * 32) + grp[None, :, None] * 2 + t[None, None, :],
+                    mask=m2[:, :, None], other=0)                                   # int32 [BN, G, 2]
+        h = tl.load(qh_ptr + rows[:, None] * (NB * 16) + grp[None, :], mask=m2, other=0)
+        lo6, hi6 = _six_bits(q, h[:, :, None] >> (4 * t)[None, None, :])
+        lo = byte_floats(lo6, USE_ASM)
+        hi = byte_floats(hi6, USE_ASM)
+        xo = m * K + grp[:, None] * 16 + t[None, :]             # slot j of word t: weight 2j + t
+        sw = as_float(lo[0], 32.0) * tl.load(x_ptr + xo, mask=ok[:, None], other=0.0)[None, :, :]
+        for j in tl.static_range(1, 4):
+            sw += as_float(lo[j], 32.0) * tl.load(x_ptr + xo + 2 * j, mask=ok[:, None], other=0.0)[None, :, :]
+        for j in tl.static_range(4):
+            sw += as_float(hi[j], 32.0) * tl.load(x_ptr + xo + 8 + 2 * j, mask=ok[:, None], other=0.0)[None, :, :]
+        sc = tl.load(sc_ptr + rows[:, None] * (NB * 16) + grp[None, :], mask=m2, other=0).to(tl.float32)
+        d = tl.load(d_ptr + rows[:, None] * NB + grp[None, :] // 16, mask=m2, other=0.0).to(tl.float32)
+        acc += (d * sc)[:, :, None] * sw
+    y = tl.sum(tl.reshape(acc, (BLOCK_N, G * 2)), axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=live, other=0.0)
     tl.store(y_ptr + m * Y_STRIDE + rows, y, mask=live)
@@ -91,36 +111,39 @@ def launch(x: torch.Tensor, w: Q6KWeight, y: torch.Tensor, block_n: int, bias: t
     """y [M, N] (rows y.stride(0) apart) = x W^T (+ bias)."""
     n, k = w.shape
     grid = (x.shape[0], triton.cdiv(n, block_n))
-    _q6_k_matvec[grid](x, w.ql, w.qh, w.sc, w.d, y if bias is None else bias, y, n, k, w.d.shape[1],
-                       y.stride(0), BLOCK_N=block_n, SB=sb, HAS_BIAS=bias is not None)
+    _q6_k_matvec[grid](x, w.ql.view(torch.int32), w.qh.view(torch.int32), w.sc, w.d, y if bias is None else bias,
+                       y, n, k, w.d.shape[1], y.stride(0), BLOCK_N=block_n, SB=sb, HAS_BIAS=bias is not None,
+                       USE_ASM=ASM, EVEN=n % block_n == 0 and w.d.shape[1] % sb == 0)
 
 
 @triton.jit
-def _q6_k_dequantize(ql_ptr, qh_ptr, sc_ptr, d_ptr, w_ptr, N, NB, BLOCK_N: tl.constexpr):
+def _q6_k_dequantize(ql_ptr, qh_ptr, sc_ptr, d_ptr, w_ptr, N, NB, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr):
     pid_n = tl.program_id(0)
     kb = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     live = rows < N
-    j = tl.arange(0, 8)                   # run j of 32 weights: 128h + 32s, h = j // 4, s = j % 4
-    lane = tl.arange(0, 32)
-    h, s = j // 4, j % 4
+    g = tl.arange(0, 16)
+    t = tl.arange(0, 2)
     m3 = live[:, None, None]
-    lo = tl.load(ql_ptr + rows[:, None, None] * (NB * 128) + kb * 128 + (h * 64 + (s % 2) * 32)[None, :, None]
-                 + lane[None, None, :], mask=m3, other=0)
-    hi = tl.load(qh_ptr + rows[:, None, None] * (NB * 64) + kb * 64 + (h * 32)[None, :, None] + lane[None, None, :],
-                 mask=m3, other=0)
-    q = ((lo >> (4 * (s // 2))[None, :, None]) & 15) | (((hi >> (2 * s)[None, :, None]) & 3) << 4)
-    g = 2 * j[None, :, None] + lane[None, None, :] // 16                    # the run's 16-weight groups
-    sc = tl.load(sc_ptr + (rows[:, None, None] * NB + kb) * 16 + g, mask=m3, other=0).to(tl.float32)
-    d = tl.load(d_ptr + rows * NB + kb, mask=live, other=0.0).to(tl.float32)[:, None, None]
-    val = (d * sc) * (q.to(tl.float32) - 32.0)
-    at = rows[:, None, None] * (NB * 256) + kb * 256 + j[None, :, None] * 32 + lane[None, None, :]
-    tl.store(w_ptr + at, val.to(tl.float16), mask=m3)
+    q = tl.load(ql_ptr + rows[:, None, None] * (NB * 32) + kb * 32 + g[None, :, None] * 2 + t[None, None, :],
+                mask=m3, other=0)
+    h = tl.load(qh_ptr + rows[:, None] * (NB * 16) + kb * 16 + g[None, :], mask=live[:, None], other=0)
+    lo6, hi6 = _six_bits(q, h[:, :, None] >> (4 * t)[None, None, :])
+    lo = byte_floats(lo6, USE_ASM)
+    hi = byte_floats(hi6, USE_ASM)
+    ds = (tl.load(d_ptr + rows * NB + kb, mask=live, other=0.0).to(tl.float32)[:, None]
+          * tl.load(sc_ptr + (rows[:, None] * NB + kb) * 16 + g[None, :], mask=live[:, None], other=0)
+          .to(tl.float32))[:, :, None]
+    at = rows[:, None, None] * (NB * 256) + kb * 256 + g[None, :, None] * 16 + t[None, None, :]
+    for j in tl.static_range(4):
+        tl.store(w_ptr + at + 2 * j, (ds * as_float(lo[j], 32.0)).to(tl.float16), mask=m3)
+        tl.store(w_ptr + at + 8 + 2 * j, (ds * as_float(hi[j], 32.0)).to(tl.float16), mask=m3)
 
 
 def dequantize(w: Q6KWeight) -> torch.Tensor:
     """The matrix in float16 [N, K] (a prefill's matrix product on the tensor cores)."""
     n, k = w.shape
     out = torch.empty(n, k, dtype=torch.float16, device=w.ql.device)
-    _q6_k_dequantize[(triton.cdiv(n, 16), w.d.shape[1])](w.ql, w.qh, w.sc, w.d, out, n, w.d.shape[1], BLOCK_N=16)
+    _q6_k_dequantize[(triton.cdiv(n, 16), w.d.shape[1])](w.ql.view(torch.int32), w.qh.view(torch.int32), w.sc, w.d,
+                                                          out, n, w.d.shape[1], BLOCK_N=16, USE_ASM=ASM)
     return out
