@@ -20,7 +20,7 @@ if [ -z "$ARGS" ] || want tests; then
     | tee "$OUT/tests.log" | tail -25
 fi
 if [ -z "$ARGS" ] || want matvec; then
-  python3 benchmarks/cuda_matvec.py --rows 1 5 --block-n 4 8 16 32 --sb 1 2 4 --reps 100 2>&1 | tee "$OUT/matvec.log"
+  python3 benchmarks/cuda_matvec.py --rows 1 --block-n 8 16 32 --sb 1 2 --split 1 5 7 --reps 50 2>&1 | tee "$OUT/matvec.log"
 fi
 if [ -z "$ARGS" ] || want profile; then
   python3 benchmarks/cuda_profile.py $S15 2>&1 | tee "$OUT/profile.log"

@@ -99,6 +99,23 @@ def test_each_row_is_its_own_bitwise_whatever_the_rows_beside_it(kind):
         matvec(x, object())
 
 
+@pytest.mark.parametrize("kind", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("split", [2, 3, 5])           # 5 shares of 4 super-blocks: the last one is empty
+def test_a_row_summed_in_shares_is_the_whole_rows_sum_and_stays_its_own(kind, split):
+    n, k = 24, 1024
+    raw = random_blocks(kind, n, k, seed=7)
+    w = TYPES[kind][0](raw, (n, k), DEV)
+    x = torch.randn(4, k, generator=torch.Generator().manual_seed(8)).to(DEV)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(9)).to(DEV)
+    whole = matvec(x, w, block_n=8, sb=1, split=1, bias=bias)
+    shared = matvec(x, w, block_n=8, sb=1, split=split, bias=bias)
+    want = x.double().cpu() @ dequantize(raw.numpy(), kind, (n, k)).double().T + bias.double().cpu()
+    assert torch.allclose(shared.double().cpu(), want, rtol=1e-5, atol=1e-4 * want.abs().max().item())
+    assert torch.allclose(shared, whole, rtol=1e-5, atol=1e-5)
+    for i in range(4):
+        assert torch.equal(matvec(x[i:i + 1], w, block_n=8, sb=1, split=split, bias=bias), shared[i:i + 1])
+
+
 def test_a_type_the_32_value_layout_does_not_hold_is_refused():
     with pytest.raises(ValueError, match="Q4_K is not a 32-value block type"):
         Blocks32Weight.from_gguf(random_blocks(T.Q4_K, 1, 256), T.Q4_K, (1, 256))

@@ -73,8 +73,8 @@ def pack_codes(qs: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _q4_k_matvec(x_ptr, qs_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, b_ptr, y_ptr, N, K, NB, Y_STRIDE,
-                 BLOCK_N: tl.constexpr, SB: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr,
-                 EVEN: tl.constexpr):
+                 NB_PART, P_STRIDE, BLOCK_N: tl.constexpr, SB: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 USE_ASM: tl.constexpr, EVEN: tl.constexpr):
     m = tl.program_id(0)                  # the rows of one block of outputs run side by side: its weights
     pid_n = tl.program_id(1)              # are read from memory once, the other rows find them in L2
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -83,9 +83,11 @@ def _q4_k_matvec(x_ptr, qs_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, b_ptr, y_ptr, N
     s = tl.arange(0, S)
     t = tl.arange(0, 4)                   # a sub-block's four words
     acc = tl.zeros((BLOCK_N, S, 4), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(NB, SB)):
-        sub = kb * S + s                                        # the row's sub-block ids this step
-        ok = (sub < NB * 8) | EVEN                              # the last step may hold fewer
+    part = tl.program_id(2)               # this program's share of the row: super-blocks part * NB_PART on
+    end = tl.minimum(NB, (part + 1) * NB_PART) * 8
+    for kb in range(0, tl.cdiv(NB_PART, SB)):
+        sub = part * NB_PART * 8 + kb * S + s                   # the row's sub-block ids this step
+        ok = (sub < end) | EVEN                                 # the last step may hold fewer
         m2 = (live[:, None] & ok[None, :]) | EVEN              # EVEN: the tiles fill the matrix, no masks
         q = tl.load(qs_ptr + rows[:, None, None] * (NB * 32) + sub[None, :, None] * 4 + t[None, None, :],
                     mask=m2[:, :, None], other=0)                                   # int32 [BN, S, 4]
@@ -112,17 +114,21 @@ def _q4_k_matvec(x_ptr, qs_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, b_ptr, y_ptr, N
     y = tl.sum(tl.reshape(acc, (BLOCK_N, S * 4)), axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=live, other=0.0)
-    tl.store(y_ptr + m * Y_STRIDE + rows, y, mask=live)
+    tl.store(y_ptr + m * Y_STRIDE + part * P_STRIDE + rows, y, mask=live)
 
 
 def launch(x: torch.Tensor, w: Q4KWeight, y: torch.Tensor, block_n: int, bias: torch.Tensor | None = None,
-           sb: int = 2) -> None:
-    """y [M, N] (rows y.stride(0) apart: a column range of a wider output) = x W^T (+ bias)."""
+           sb: int = 2, split: int = 1) -> None:
+    """y [M, N] (rows y.stride(0) apart: a column range of a wider output) = x W^T (+ bias); with split > 1,
+    y [split, M, N] holds each share of the super-blocks' partial sums (jllm.cuda.matvec adds them)."""
     n, k = w.shape
-    grid = (x.shape[0], triton.cdiv(n, block_n))
+    nb = w.d.shape[1]
+    part = -(-nb // split)
+    grid = (x.shape[0], triton.cdiv(n, block_n), split)
     _q4_k_matvec[grid](x, w.qs.view(torch.int32), w.d, w.dmin, w.sc, w.mn, y if bias is None else bias, y, n, k,
-                       w.d.shape[1], y.stride(0), BLOCK_N=block_n, SB=sb, HAS_BIAS=bias is not None, USE_ASM=ASM,
-                       EVEN=n % block_n == 0 and w.d.shape[1] % sb == 0)
+                       nb, y.stride(-2), part, y.stride(0) if split > 1 else 0, BLOCK_N=block_n, SB=sb,
+                       HAS_BIAS=bias is not None, USE_ASM=ASM,
+                       EVEN=n % block_n == 0 and part % sb == 0 and part * split == nb)
 
 
 @triton.jit

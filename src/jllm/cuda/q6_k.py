@@ -71,8 +71,8 @@ def _six_bits(q, h):
 
 @triton.jit
 def _q6_k_matvec(x_ptr, ql_ptr, qh_ptr, sc_ptr, d_ptr, b_ptr, y_ptr, N, K, NB, Y_STRIDE,
-                 BLOCK_N: tl.constexpr, SB: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr,
-                 EVEN: tl.constexpr):
+                 NB_PART, P_STRIDE, BLOCK_N: tl.constexpr, SB: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 USE_ASM: tl.constexpr, EVEN: tl.constexpr):
     m = tl.program_id(0)                  # the rows of one block of outputs run side by side: its weights
     pid_n = tl.program_id(1)              # are read from memory once, the other rows find them in L2
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -81,9 +81,11 @@ def _q6_k_matvec(x_ptr, ql_ptr, qh_ptr, sc_ptr, d_ptr, b_ptr, y_ptr, N, K, NB, Y
     g = tl.arange(0, G)
     t = tl.arange(0, 2)                   # a group's two ql words
     acc = tl.zeros((BLOCK_N, G, 2), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(NB, SB)):
-        grp = kb * G + g
-        ok = (grp < NB * 16) | EVEN
+    part = tl.program_id(2)               # this program's share of the row: super-blocks part * NB_PART on
+    end = tl.minimum(NB, (part + 1) * NB_PART) * 16
+    for kb in range(0, tl.cdiv(NB_PART, SB)):
+        grp = part * NB_PART * 16 + kb * G + g
+        ok = (grp < end) | EVEN
         m2 = (live[:, None] & ok[None, :]) | EVEN              # EVEN: the tiles fill the matrix, no masks
         q = tl.load(ql_ptr + rows[:, None, None] * (NB * 32) + grp[None, :, None] * 2 + t[None, None, :],
                     mask=m2[:, :, None], other=0)                                   # int32 [BN, G, 2]
@@ -103,17 +105,20 @@ def _q6_k_matvec(x_ptr, ql_ptr, qh_ptr, sc_ptr, d_ptr, b_ptr, y_ptr, N, K, NB, Y
     y = tl.sum(tl.reshape(acc, (BLOCK_N, G * 2)), axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=live, other=0.0)
-    tl.store(y_ptr + m * Y_STRIDE + rows, y, mask=live)
+    tl.store(y_ptr + m * Y_STRIDE + part * P_STRIDE + rows, y, mask=live)
 
 
 def launch(x: torch.Tensor, w: Q6KWeight, y: torch.Tensor, block_n: int, bias: torch.Tensor | None = None,
-           sb: int = 1) -> None:
-    """y [M, N] (rows y.stride(0) apart) = x W^T (+ bias)."""
+           sb: int = 1, split: int = 1) -> None:
+    """y [M, N] (rows y.stride(0) apart) = x W^T (+ bias); with split > 1, y [split, M, N] (see q4_k.launch)."""
     n, k = w.shape
-    grid = (x.shape[0], triton.cdiv(n, block_n))
+    nb = w.d.shape[1]
+    part = -(-nb // split)
+    grid = (x.shape[0], triton.cdiv(n, block_n), split)
     _q6_k_matvec[grid](x, w.ql.view(torch.int32), w.qh.view(torch.int32), w.sc, w.d, y if bias is None else bias,
-                       y, n, k, w.d.shape[1], y.stride(0), BLOCK_N=block_n, SB=sb, HAS_BIAS=bias is not None,
-                       USE_ASM=ASM, EVEN=n % block_n == 0 and w.d.shape[1] % sb == 0)
+                       y, n, k, nb, y.stride(-2), part, y.stride(0) if split > 1 else 0, BLOCK_N=block_n, SB=sb,
+                       HAS_BIAS=bias is not None, USE_ASM=ASM,
+                       EVEN=n % block_n == 0 and part % sb == 0 and part * split == nb)
 
 
 @triton.jit

@@ -1,0 +1,81 @@
+"""The SASS of a GPU matvec kernel, compiled here without a GPU: instructions in its hot loop by opcode, and
+per weight. A decode step's matvecs are bound by that count (integer ops issue at half the rate of float
+ones on sm_80..sm_90), so a kernel change can be judged before a lease: fewer instructions a weight, fewer
+microseconds on the chip. Needs triton (its ptxas and cuobjdump come with it); the torch may be a CPU one.
+
+    python benchmarks/cuda_sass.py q4_k --block-n 16 --sb 2          # sm_90 (the H200)
+    python benchmarks/cuda_sass.py q6_k --block-n 32 --sb 1 --arch 87  # the Jetson Orin
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")     # as the JIT compiles them (fused multiply-adds)
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from jllm.cuda import q4_k, q6_k
+
+_COMMON = {"b_ptr": "*fp32", "y_ptr": "*fp32", "N": "i32", "K": "i32", "NB": "i32", "Y_STRIDE": "i32",
+           "NB_PART": "i32", "P_STRIDE": "i32"}
+# kernel, its pointer arguments' types, weights a program's step covers per output (SB = 1)
+KERNELS = {"q4_k": (q4_k._q4_k_matvec, {"x_ptr": "*fp32", "qs_ptr": "*i32", "d_ptr": "*fp16", "dmin_ptr": "*fp16",
+                                        "sc_ptr": "*u8", "mn_ptr": "*u8"}),
+           "q6_k": (q6_k._q6_k_matvec, {"x_ptr": "*fp32", "ql_ptr": "*i32", "qh_ptr": "*i32", "sc_ptr": "*i8",
+                                        "d_ptr": "*fp16"})}
+DIVISIBLE = ("N", "K", "Y_STRIDE")      # as triton's launcher specialises them for the real shapes (x 16)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("kernel", choices=sorted(KERNELS))
+    ap.add_argument("--block-n", type=int, default=16)
+    ap.add_argument("--sb", type=int, default=1)
+    ap.add_argument("--warps", type=int, default=4)
+    ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--no-asm", action="store_true", help="the interpreter's shifts and masks instead of prmt")
+    ap.add_argument("--ragged", action="store_true", help="masked tiles (EVEN false)")
+    a = ap.parse_args()
+    fn, ptrs = KERNELS[a.kernel]
+    sig = {**ptrs, **_COMMON}
+    sig = {name: sig[name] for name in fn.arg_names if name in sig}
+    consts = {"BLOCK_N": a.block_n, "SB": a.sb, "HAS_BIAS": False, "USE_ASM": not a.no_asm, "EVEN": not a.ragged}
+    sig.update({c: "constexpr" for c in consts})
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
+             for n, ty in sig.items() if ty.startswith("*") or n in DIVISIBLE}
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                       target=GPUTarget("cuda", a.arch, 32), options={"num_warps": a.warps})
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", f.name], capture_output=True,
+                              text=True, check=True).stdout
+        usage = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", f.name], capture_output=True,
+                               text=True, check=True).stdout
+    ops = {int(at, 16): op for at, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", sass)}
+    back = [(int(to, 16), int(at, 16)) for at, to in
+            re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", sass)
+            if int(to, 16) < int(at, 16)]
+    regs = re.search(r"REG:(\d+)", usage)
+    weights = a.block_n * a.sb * 256 / (32 * a.warps)           # a thread's weights in one step of the loop
+    print(f"{a.kernel} block_n {a.block_n} sb {a.sb} warps {a.warps} sm_{a.arch}: {len(ops)} instructions, "
+          f"{regs.group(1) if regs else '?'} registers, {k.metadata.shared} B shared")
+    for lo, hi in back:
+        count = collections.Counter(op for at, op in ops.items() if lo <= at <= hi)
+        total = sum(count.values())
+        print(f"  loop {lo:#06x}-{hi:#06x}: {total} instructions, {total / weights:.2f} a weight "
+              f"({weights:.0f} weights a thread a step)")
+        print("   ", "  ".join(f"{op} {c}" for op, c in count.most_common(16)))
+
+
+if __name__ == "__main__":
+    main()
