@@ -4,6 +4,8 @@
 # (Q4_K_M's mix of Q4_K and Q6_K): the kernels, a step eager and from CUDA graphs, jllm bench for the 1.5B
 # target and a Qwen3-4B (the origin document's), each log under $OUT.
 #   bash benchmarks/cuda_lease.sh [tests] [matvec] [profile] [bench] [4b]      (none: all of them)
+# With matvec, the sweep's best setting for each shape goes to $OUT/best.json, and profile, bench and 4b then run
+# under it (benchmarks/cuda_tuned.py) rather than under jllm.cuda.matvec.setting's.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/gguf-*.whl || exit 1
@@ -15,24 +17,27 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 S15=/tmp/s15.gguf
 [ -f $S15 ] || python3 benchmarks/synthetic_gguf.py $S15 --shape qwen2.5-1.5b --dtype q4_k_m
 if [ -z "$ARGS" ] || want tests; then
-  python3 -m pytest -q -x tests/test_cuda.py tests/test_cuda_matvec.py tests/test_cuda_attention.py \
+  python3 -m pytest -q --tb=line tests/test_cuda.py tests/test_cuda_matvec.py tests/test_cuda_attention.py \
     tests/test_cuda_fused.py 2>&1 \
     | tee "$OUT/tests.log" | tail -25
 fi
 if [ -z "$ARGS" ] || want matvec; then
-  python3 benchmarks/cuda_matvec.py --rows 1 --block-n 8 16 32 --sb 1 2 --split 1 5 7 --reps 50 2>&1 | tee "$OUT/matvec.log"
+  python3 benchmarks/cuda_matvec.py --rows 1 --block-n 8 16 32 --sb 1 2 --split 1 5 7 --stages 1 3 --reps 50 \
+    --best "$OUT/best.json" 2>&1 | tee "$OUT/matvec.log"
 fi
+RUN="python3 benchmarks/cuda_tuned.py $OUT/best.json"
+[ -f "$OUT/best.json" ] || RUN="python3 benchmarks/cuda_tuned.py /dev/null"
 if [ -z "$ARGS" ] || want profile; then
-  python3 benchmarks/cuda_profile.py $S15 2>&1 | tee "$OUT/profile.log"
+  $RUN --script benchmarks/cuda_profile.py $S15 2>&1 | tee "$OUT/profile.log"
 fi
 if [ -z "$ARGS" ] || want bench; then
-  python3 -m jllm bench -m $S15 --device cuda --precision blocks --json "$OUT/bench_s15.json" 2>&1 \
+  $RUN bench -m $S15 --device cuda --precision blocks --json "$OUT/bench_s15.json" 2>&1 \
     | tee "$OUT/bench_s15.log"
 fi
 if [ -z "$ARGS" ] || want 4b; then
   S4=/tmp/s4b.gguf
   [ -f $S4 ] || python3 benchmarks/synthetic_gguf.py $S4 --shape qwen3-4b --dtype q4_k_m
   python3 -m jllm plan -m $S4 --device cuda --precision blocks -c 4096 2>&1 | tee "$OUT/plan_4b.log"
-  python3 -m jllm bench -m $S4 --device cuda --precision blocks -c 4096 --json "$OUT/bench_4b.json" 2>&1 \
+  $RUN bench -m $S4 --device cuda --precision blocks -c 4096 --json "$OUT/bench_4b.json" 2>&1 \
     | tee "$OUT/bench_4b.log"
 fi

@@ -10,6 +10,8 @@ values.
 from __future__ import annotations
 
 import argparse
+import itertools
+import json
 import time
 
 import torch
@@ -20,7 +22,8 @@ from jllm.cuda.linear import device_weight
 from jllm.cuda.matvec import matvec
 
 # (type, N, K): the 1.5B Q4_K_M's matrices, then the 0.5B draft's (Q5_0, Q8_0) and a head's (Q4_0)
-SHAPES = {"attn_qkv": (T.Q4_K, 2048, 1536), "attn_output": (T.Q4_K, 1536, 1536), "ffn_gate_up": (T.Q4_K, 17920, 1536),
+SHAPES = {"attn_qkv": (T.Q4_K, 2048, 1536), "attn_qk": (T.Q4_K, 1792, 1536), "attn_v (Q6_K)": (T.Q6_K, 256, 1536),
+          "attn_output": (T.Q4_K, 1536, 1536), "ffn_gate_up": (T.Q4_K, 17920, 1536),
           "ffn_down (Q4_K)": (T.Q4_K, 1536, 8960), "ffn_down (Q6_K)": (T.Q6_K, 1536, 8960),
           "output (Q6_K)": (T.Q6_K, 151936, 1536), "0.5B ffn_up (Q5_0)": (T.Q5_0, 4864, 896),
           "0.5B output (Q8_0)": (T.Q8_0, 151936, 896), "head output (Q4_0)": (T.Q4_0, 24576, 1536)}
@@ -56,6 +59,8 @@ def main() -> None:
     ap.add_argument("--block-n", type=int, nargs="+", default=[4, 8, 16, 32])
     ap.add_argument("--sb", type=int, nargs="+", default=[1, 2, 4], help="super-blocks a step (Q4_K, Q6_K)")
     ap.add_argument("--split", type=int, nargs="+", default=[1], help="shares of a row (Q4_K, Q6_K)")
+    ap.add_argument("--stages", type=int, nargs="+", default=[1], help="steps of loads in flight (Q4_K, Q6_K)")
+    ap.add_argument("--best", help="write each shape's best setting at one row here (JSON, for cuda_tuned.py)")
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--tiny", action="store_true", help="one small shape, 2 reps (the interpreter)")
     ap.add_argument("--all", action="store_true", help="every variant's line, not only each shape's best")
@@ -64,7 +69,8 @@ def main() -> None:
     shapes = {f"tiny {t.name}": (t, 32, 512) for t in (T.Q4_K, T.Q6_K, T.Q4_0, T.Q5_0, T.Q8_0)} if a.tiny else SHAPES
     reps = 2 if a.tiny else a.reps
     g = torch.Generator().manual_seed(0)
-    print(f"{'matrix':<22} {'N x K':>13} {'rows':>4} {'block_n':>7} {'sb':>3} {'split':>5} {'us':>8} {'GB/s':>7} "
+    best = {}
+    print(f"{'matrix':<22} {'N x K':>13} {'rows':>4} {'block_n':>7} {'sb':>3} {'split':>5} {'stages':>6} {'us':>8} {'GB/s':>7} "
           f"{'bf16 us':>8}")
     for name, (kind, n, k) in shapes.items():
         per, size = GGML_QUANT_SIZES[kind]
@@ -81,14 +87,18 @@ def main() -> None:
             sbs = a.sb if kind in (T.Q4_K, T.Q6_K) else [1]
             lines = []
             splits = a.split if kind in (T.Q4_K, T.Q6_K) and k >= 4096 else [1]      # long rows only
-            for bn in a.block_n:
-                for sb in sbs:
-                    for sp in splits:
-                        t = timed(lambda: matvec(x, w, block_n=bn, sb=sb, split=sp), reps)
-                        lines.append((t, f"{name:<22} {n:>6} x {k:<5} {m:>4} {bn:>7} {sb:>3} {sp:>5} {t * 1e6:>8.1f} "
-                                         f"{w.nbytes() / t / 1e9:>7.0f} {t_dense * 1e6:>8.1f}"))
-            for _, line in (lines if a.all else [min(lines)]):
+            stages = a.stages if kind in (T.Q4_K, T.Q6_K) else [1]
+            for bn, sb, sp, st in itertools.product(a.block_n, sbs, splits, stages):
+                t = timed(lambda: matvec(x, w, block_n=bn, sb=sb, split=sp, stages=st), reps)
+                lines.append((t, f"{name:<22} {n:>6} x {k:<5} {m:>4} {bn:>7} {sb:>3} {sp:>5} {st:>6} "
+                                 f"{t * 1e6:>8.1f} {w.nbytes() / t / 1e9:>7.0f} {t_dense * 1e6:>8.1f}", (bn, sb, sp, st)))
+            for _, line, _ in (sorted(lines) if a.all else [min(lines)]):
                 print(line)
+            if m == 1:
+                best[f"{kind.name} {n}x{k}"] = min(lines)[2]
+    if a.best:
+        with open(a.best, "w") as f:
+            json.dump(best, f, indent=1)
 
 
 if __name__ == "__main__":

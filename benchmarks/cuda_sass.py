@@ -42,9 +42,17 @@ def main() -> None:
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--no-asm", action="store_true", help="the interpreter's shifts and masks instead of prmt")
+    ap.add_argument("--file", help="the kernel from another copy of its module (an experiment)")
     ap.add_argument("--ragged", action="store_true", help="masked tiles (EVEN false)")
     a = ap.parse_args()
     fn, ptrs = KERNELS[a.kernel]
+    if a.file:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("experiment", a.file)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        fn = getattr(mod, fn.fn.__name__ if hasattr(fn, "fn") else fn.__name__)
     sig = {**ptrs, **_COMMON}
     sig = {name: sig[name] for name in fn.arg_names if name in sig}
     consts = {"BLOCK_N": a.block_n, "SB": a.sb, "HAS_BIAS": False, "USE_ASM": not a.no_asm, "EVEN": not a.ragged}

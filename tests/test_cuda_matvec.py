@@ -116,6 +116,19 @@ def test_a_row_summed_in_shares_is_the_whole_rows_sum_and_stays_its_own(kind, sp
         assert torch.equal(matvec(x[i:i + 1], w, block_n=8, sb=1, split=split, bias=bias), shared[i:i + 1])
 
 
+@pytest.mark.parametrize("kind", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("block_n,sb,stages", [(8, 1, 1), (8, 2, 3), (16, 2, 1), (32, 1, 2), (4, 4, 1)])
+def test_every_setting_a_sweep_may_pick_gives_the_same_products(kind, block_n, sb, stages):
+    n, k = 40, 1536                                  # 6 super-blocks: some settings leave a ragged last step
+    raw = random_blocks(kind, n, k, seed=11)
+    w = TYPES[kind][0](raw, (n, k), DEV)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(12)).to(DEV)
+    want = x.double().cpu() @ dequantize(raw.numpy(), kind, (n, k)).double().T
+    for split in (1, 3):
+        y = matvec(x, w, block_n=block_n, sb=sb, split=split, stages=stages).double().cpu()
+        assert torch.allclose(y, want, rtol=1e-5, atol=1e-4 * want.abs().max().item()), (split, block_n, sb)
+
+
 def test_a_type_the_32_value_layout_does_not_hold_is_refused():
     with pytest.raises(ValueError, match="Q4_K is not a 32-value block type"):
         Blocks32Weight.from_gguf(random_blocks(T.Q4_K, 1, 256), T.Q4_K, (1, 256))

@@ -19,19 +19,18 @@ _KERNELS = {q4_k.Q4KWeight: q4_k.launch, q6_k.Q6KWeight: q6_k.launch, blocks32.B
 _SPLITS = (q4_k.Q4KWeight, q6_k.Q6KWeight)           # the kernels that take a share of a row
 
 
-def setting(w) -> tuple[int, int, int]:
-    """(outputs a program, super-blocks a step, shares of a row) for a matrix: a function of its type and shape
-    alone, never of the row count, so that every call over it sums each row in the same order. For Q4_K and
-    Q6_K: 16 or 32 outputs a program, so that a thread holds two or more rows of weights for each x it loads
-    (the instruction count a weight falls with it: jllm.cuda.codes); long rows (ffn_down) in shares of 7
-    super-blocks, for enough programs and bytes in flight. benchmarks/cuda_matvec.py times the others on the
-    GPU."""
+def setting(w) -> tuple[int, int, int, int]:
+    """(outputs a program, super-blocks a step, shares of a row, steps of loads in flight) for a matrix: a
+    function of its type and shape alone, never of the row count, so that every call over it sums each row in
+    the same order. From benchmarks/cuda_matvec.py on the H200 (one row, times from CUDA graphs): 8 outputs a
+    program everywhere (more programs beat the fewer instructions a weight of 16 or 32: jllm.cuda.codes);
+    long rows (ffn_down) in shares of 7 super-blocks, for enough programs and bytes in flight."""
     n, k = w.shape
     if isinstance(w, _SPLITS):
         if n >= 65536:
-            return 32, 1, 1
-        return (16, 2, 1) if k < 4096 else (16, 1, max(1, k // 256 // 7))
-    return (32 if n >= 16384 else 16), 1, 1
+            return 8, 2, 1, 1
+        return (8, 2, 1, 1) if k < 4096 else (8, 1, max(1, k // 256 // 7), 1)
+    return (32 if n >= 16384 else 16), 1, 1, 1
 
 
 @triton.jit
@@ -49,27 +48,31 @@ def _add_parts(p_ptr, b_ptr, y_ptr, N, MN, Y_STRIDE, SPLIT: tl.constexpr, BLOCK:
 
 
 def matvec(x: torch.Tensor, w, block_n: int | None = None, out: torch.Tensor | None = None,
-           bias: torch.Tensor | None = None, sb: int | None = None, split: int | None = None) -> torch.Tensor:
+           bias: torch.Tensor | None = None, sb: int | None = None, split: int | None = None,
+           stages: int | None = None) -> torch.Tensor:
     """x [M, K] (float32 or bfloat16) -> y = x W^T (+ bias) [M, N] float32, written into `out` when given (a
-    column range of a wider output: its rows may be further apart). block_n, sb, split: the kernel's setting, by
-    default setting(w) (benchmarks try others)."""
+    column range of a wider output: its rows may be further apart). block_n, sb, split, stages: the kernel's
+    setting, by default setting(w) (benchmarks try others)."""
     launch = _KERNELS.get(type(w))
     if launch is None:
         raise TypeError(f"no GPU kernel for {type(w).__name__}")
     n, k = w.shape
-    default_n, default_sb, default_split = setting(w)
-    block_n, sb, split = block_n or default_n, sb or default_sb, split or default_split
+    default = setting(w)
+    block_n, sb, split, stages = block_n or default[0], sb or default[1], split or default[2], stages or default[3]
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"x must be [M, {k}], is {list(x.shape)}")
     x = x.contiguous()
     y = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device) if out is None else out
     if y.shape != (x.shape[0], n) or y.stride(1) != 1 or y.dtype != torch.float32:
         raise ValueError(f"out must be float32 [{x.shape[0]}, {n}] with unit column stride")
-    if split == 1 or not isinstance(w, _SPLITS):
+    if not isinstance(w, _SPLITS):
         launch(x, w, y, block_n, bias, sb)
         return y
+    if split == 1:
+        launch(x, w, y, block_n, bias, sb, 1, stages)
+        return y
     parts = torch.empty(split, x.shape[0], n, dtype=torch.float32, device=x.device)
-    launch(x, w, parts, block_n, None, sb, split)
+    launch(x, w, parts, block_n, None, sb, split, stages)
     _add_parts[(x.shape[0], triton.cdiv(n, 1024))](parts, y if bias is None else bias, y, n, x.shape[0] * n,
                                                     y.stride(0), SPLIT=split, BLOCK=1024, HAS_BIAS=bias is not None)
     return y

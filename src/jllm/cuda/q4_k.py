@@ -74,7 +74,7 @@ def pack_codes(qs: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _q4_k_matvec(x_ptr, qs_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, b_ptr, y_ptr, N, K, NB, Y_STRIDE,
                  NB_PART, P_STRIDE, BLOCK_N: tl.constexpr, SB: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 USE_ASM: tl.constexpr, EVEN: tl.constexpr):
+                 USE_ASM: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr):
     m = tl.program_id(0)                  # the rows of one block of outputs run side by side: its weights
     pid_n = tl.program_id(1)              # are read from memory once, the other rows find them in L2
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -85,7 +85,7 @@ def _q4_k_matvec(x_ptr, qs_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, b_ptr, y_ptr, N
     acc = tl.zeros((BLOCK_N, S, 4), dtype=tl.float32)
     part = tl.program_id(2)               # this program's share of the row: super-blocks part * NB_PART on
     end = tl.minimum(NB, (part + 1) * NB_PART) * 8
-    for kb in range(0, tl.cdiv(NB_PART, SB)):
+    for kb in tl.range(0, tl.cdiv(NB_PART, SB), num_stages=STAGES):   # STAGES > 1: later steps in flight
         sub = part * NB_PART * 8 + kb * S + s                   # the row's sub-block ids this step
         ok = (sub < end) | EVEN                                 # the last step may hold fewer
         m2 = (live[:, None] & ok[None, :]) | EVEN              # EVEN: the tiles fill the matrix, no masks
@@ -118,7 +118,7 @@ def _q4_k_matvec(x_ptr, qs_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, b_ptr, y_ptr, N
 
 
 def launch(x: torch.Tensor, w: Q4KWeight, y: torch.Tensor, block_n: int, bias: torch.Tensor | None = None,
-           sb: int = 2, split: int = 1) -> None:
+           sb: int = 2, split: int = 1, stages: int = 1) -> None:
     """y [M, N] (rows y.stride(0) apart: a column range of a wider output) = x W^T (+ bias); with split > 1,
     y [split, M, N] holds each share of the super-blocks' partial sums (jllm.cuda.matvec adds them)."""
     n, k = w.shape
@@ -128,7 +128,7 @@ def launch(x: torch.Tensor, w: Q4KWeight, y: torch.Tensor, block_n: int, bias: t
     _q4_k_matvec[grid](x, w.qs.view(torch.int32), w.d, w.dmin, w.sc, w.mn, y if bias is None else bias, y, n, k,
                        nb, y.stride(-2), part, y.stride(0) if split > 1 else 0, BLOCK_N=block_n, SB=sb,
                        HAS_BIAS=bias is not None, USE_ASM=ASM,
-                       EVEN=n % block_n == 0 and part % sb == 0 and part * split == nb)
+                       EVEN=n % block_n == 0 and part % sb == 0 and part * split == nb, STAGES=stages)
 
 
 @triton.jit
