@@ -65,7 +65,7 @@ class Sequence:
         """Evaluate `tokens` after the held ones and hold them too -> logits [T, vocab] ([1, vocab] with
         last_only). leaf: see Transformer.forward (the last token is a side leaf of position `leaf`)."""
         start = len(self.ids)
-        x = torch.tensor(tokens, device=self.model.device)
+        x = torch.tensor(tokens)            # on the host: the embedding looks rows up there (no device sync)
         if self.capture is None:
             logits = self.model.forward(x, self.cache, last_only=last_only, leaf=leaf)
         else:

@@ -43,7 +43,7 @@ class StepGraphs:
             return out
         graph, x_in, pos_in, out = captured
         x_in.copy_(x)
-        pos_in.copy_(torch.arange(start, start + T))
+        torch.arange(start, start + T, out=pos_in)          # on the device: no copy from the host
         graph.replay()
         return out.clone()                        # the next replay overwrites `out`; callers may hold logits
 
