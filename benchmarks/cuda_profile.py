@@ -82,6 +82,34 @@ def main() -> None:
         us = e.self_device_time_total / 5
         print(f"{e.key[:70]:<70} {e.count / 5:>6.0f} {us:>9.1f} {us / total:>6.1%}")
     m.graphs = graphs
+    host_time(m, cache, a.context, a.top)
+
+
+def host_time(m, cache, at: int, top: int, steps: int = 64) -> None:
+    """A decode step as jllm bench times it (token id in, argmax read back) against its graph's replay, and
+    where the host's share goes: cProfile's functions by their own time over `steps` steps."""
+    import cProfile
+    import pstats
+
+    tok = 1
+    cache.truncate(at)
+    for _ in range(3):                                     # the graph of one row exists after the first
+        tok = int(torch.argmax(m.forward(torch.tensor([tok]), cache)[-1]))
+    times = []
+    prof = cProfile.Profile()
+    for _ in range(steps):
+        t = time.perf_counter()
+        prof.enable()
+        tok = int(torch.argmax(m.forward(torch.tensor([tok]), cache)[-1]))
+        prof.disable()
+        times.append(time.perf_counter() - t)
+    print(f"\na decode step as jllm bench times it: {statistics.median(times) * 1e3:.3f} ms (median of {steps})")
+    stats = pstats.Stats(prof)
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]
+    print(f"{'function':<60} {'calls':>6} {'own us/step':>12}")
+    for (path, line, name), (_, calls, own, _, _) in rows:
+        print(f"{(path.split('/')[-1] + ':' + str(line) + ' ' + name)[:60]:<60} {calls / steps:>6.1f} "
+              f"{own / steps * 1e6:>12.1f}")
 
 
 if __name__ == "__main__":
