@@ -85,7 +85,7 @@ def main() -> None:
     host_time(m, cache, a.context, a.top)
 
 
-def host_time(m, cache, at: int, top: int, steps: int = 64) -> None:
+def host_time(m, cache, at: int, top: int, steps: int = 48) -> None:
     """A decode step as jllm bench times it (token id in, argmax read back) against its graph's replay, and
     where the host's share goes: cProfile's functions by their own time over `steps` steps."""
     import cProfile
