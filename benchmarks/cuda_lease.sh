@@ -4,6 +4,10 @@
 # (Q4_K_M's mix of Q4_K and Q6_K): the kernels, a step eager and from CUDA graphs, jllm bench for the 1.5B
 # target and a Qwen3-4B (the origin document's), each log under $OUT.
 #   bash benchmarks/cuda_lease.sh [tests] [matvec] [profile] [bench] [4b]      (none: all of them)
+# llamacpp: llama.cpp's llama-bench built with CUDA from .xfer/lcpp.tar.xz (a trimmed copy of the source that
+# ../shared/tools/build_llamacpp.sh fetches: benchmarks/llamacpp_cuda_src.sh makes it; carry it), in the
+# background and niced from the start, then run on the same synthetic file at the end (a later call with
+# `llamacpp` alone waits for a build still running).
 # With matvec, the sweep's best setting for each shape goes to $OUT/best.json, and profile, bench and 4b then run
 # under it (benchmarks/cuda_tuned.py) rather than under jllm.cuda.matvec.setting's.
 set -uo pipefail
@@ -16,6 +20,14 @@ nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --form
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 S15=/tmp/s15.gguf
 [ -f $S15 ] || python3 benchmarks/synthetic_gguf.py $S15 --shape qwen2.5-1.5b --dtype q4_k_m
+LB=/tmp/lcpp/build/bin/llama-bench
+if want llamacpp && [ ! -x $LB ] && [ ! -f /tmp/lcpp/started ] && [ -f .xfer/lcpp.tar.xz ]; then
+  mkdir -p /tmp/lcpp && tar xJf .xfer/lcpp.tar.xz -C /tmp/lcpp && touch /tmp/lcpp/started
+  setsid nohup nice -n 19 bash -c "cmake -S /tmp/lcpp/llama.cpp -B /tmp/lcpp/build -DCMAKE_BUILD_TYPE=Release \
+    -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF && \
+    cmake --build /tmp/lcpp/build -j 10 --target llama-bench" > /tmp/lcpp/build.log 2>&1 &
+fi
 if [ -z "$ARGS" ] || want tests; then
   python3 -m pytest -q --tb=line tests/test_cuda.py tests/test_cuda_matvec.py tests/test_cuda_attention.py \
     tests/test_cuda_fused.py 2>&1 \
@@ -40,4 +52,13 @@ if [ -z "$ARGS" ] || want 4b; then
   python3 -m jllm plan -m $S4 --device cuda --precision blocks -c 4096 2>&1 | tee "$OUT/plan_4b.log"
   $RUN bench -m $S4 --device cuda --precision blocks -c 4096 --json "$OUT/bench_4b.json" 2>&1 \
     | tee "$OUT/bench_4b.log"
+fi
+if want llamacpp && [ -f /tmp/lcpp/started ]; then
+  until [ -x $LB ] || ! pgrep -f "cmake --build /tmp/lcpp" > /dev/null; do sleep 5; done
+  tail -3 /tmp/lcpp/build.log
+  if [ -x $LB ]; then
+    for fa in 0 1; do
+      $LB -m $S15 -ngl 99 -p 512 -n 128 -r 5 -fa $fa -o md 2>&1 | tee -a "$OUT/llamacpp.log" | grep -v "^$"
+    done
+  fi
 fi
