@@ -34,7 +34,7 @@ if [ -z "$ARGS" ] || want tests; then
     | tee "$OUT/tests.log" | tail -25
 fi
 if [ -z "$ARGS" ] || want matvec; then
-  python3 benchmarks/cuda_matvec.py --rows 1 --block-n 8 16 32 --sb 1 2 --split 1 5 7 --stages 1 3 --reps 50 \
+  python3 benchmarks/cuda_matvec.py --rows 1 --block-n 8 16 --sb 1 2 --split 1 5 7 --stages 1 3 --reps 50 \
     --best "$OUT/best.json" 2>&1 | tee "$OUT/matvec.log"
 fi
 RUN="python3 benchmarks/cuda_tuned.py $OUT/best.json"
