@@ -55,7 +55,7 @@ if [ -z "$ARGS" ] || want 4b; then
 fi
 if want llamacpp && [ -f /tmp/lcpp/started ]; then
   until [ -x $LB ] || ! pgrep -f "cmake --build /tmp/lcpp" > /dev/null; do sleep 5; done
-  tail -3 /tmp/lcpp/build.log
+  cp /tmp/lcpp/build.log "$OUT/llamacpp_build.log"; grep -i -B2 -A3 'error' /tmp/lcpp/build.log | head -30; tail -3 /tmp/lcpp/build.log
   if [ -x $LB ]; then
     for fa in 0 1; do
       $LB -m $S15 -ngl 99 -p 512 -n 128 -r 5 -fa $fa -o md 2>&1 | tee -a "$OUT/llamacpp.log" | grep -v "^$"

@@ -40,6 +40,7 @@ def main() -> None:
     ap.add_argument("--block-n", type=int, default=16)
     ap.add_argument("--sb", type=int, default=1)
     ap.add_argument("--warps", type=int, default=4)
+    ap.add_argument("--stages", type=int, default=1, help="steps of loads in flight (num_stages)")
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--no-asm", action="store_true", help="the interpreter's shifts and masks instead of prmt")
     ap.add_argument("--file", help="the kernel from another copy of its module (an experiment)")
@@ -55,7 +56,8 @@ def main() -> None:
         fn = getattr(mod, fn.fn.__name__ if hasattr(fn, "fn") else fn.__name__)
     sig = {**ptrs, **_COMMON}
     sig = {name: sig[name] for name in fn.arg_names if name in sig}
-    consts = {"BLOCK_N": a.block_n, "SB": a.sb, "HAS_BIAS": False, "USE_ASM": not a.no_asm, "EVEN": not a.ragged}
+    consts = {"BLOCK_N": a.block_n, "SB": a.sb, "HAS_BIAS": False, "USE_ASM": not a.no_asm, "EVEN": not a.ragged,
+              "STAGES": a.stages}
     sig.update({c: "constexpr" for c in consts})
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
              for n, ty in sig.items() if ty.startswith("*") or n in DIVISIBLE}

@@ -111,10 +111,16 @@ def _q4_k_matvec(x_ptr, qs_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, b_ptr, y_ptr, N
         d = tl.load(d_ptr + blk, mask=m2, other=0.0).to(tl.float32)
         dmin = tl.load(dmin_ptr + blk, mask=m2, other=0.0).to(tl.float32)
         acc += (d * sc)[:, :, None] * sw - (dmin * mn)[:, :, None] * xs[None, :, :]
-    y = tl.sum(tl.reshape(acc, (BLOCK_N, S * 4)), axis=1)
+    y = tl.sum(tl.sum(acc, axis=2), axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=live, other=0.0)
     tl.store(y_ptr + m * Y_STRIDE + part * P_STRIDE + rows, y, mask=live)
+
+
+def warps(block_n: int, sb: int) -> int:
+    """Warps a program: as many as its tile's words fill at four a thread, at most 4 (a tile smaller than its
+    threads is held twice over, which gave wrong sums for 8 outputs x 1 super-block on the H200)."""
+    return max(1, min(4, block_n * sb // 4))
 
 
 def launch(x: torch.Tensor, w: Q4KWeight, y: torch.Tensor, block_n: int, bias: torch.Tensor | None = None,
@@ -128,7 +134,8 @@ def launch(x: torch.Tensor, w: Q4KWeight, y: torch.Tensor, block_n: int, bias: t
     _q4_k_matvec[grid](x, w.qs.view(torch.int32), w.d, w.dmin, w.sc, w.mn, y if bias is None else bias, y, n, k,
                        nb, y.stride(-2), part, y.stride(0) if split > 1 else 0, BLOCK_N=block_n, SB=sb,
                        HAS_BIAS=bias is not None, USE_ASM=ASM,
-                       EVEN=n % block_n == 0 and part % sb == 0 and part * split == nb, STAGES=stages)
+                       EVEN=n % block_n == 0 and part % sb == 0 and part * split == nb, STAGES=stages,
+                       num_warps=warps(block_n, sb))
 
 
 @triton.jit

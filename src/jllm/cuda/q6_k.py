@@ -23,6 +23,7 @@ from gguf import GGMLQuantizationType as T
 
 from jllm.cuda.codes import ASM, as_float, byte_floats
 from jllm.cuda.layout import file_blocks, nbytes
+from jllm.cuda.q4_k import warps
 
 
 @dataclass
@@ -102,7 +103,7 @@ def _q6_k_matvec(x_ptr, ql_ptr, qh_ptr, sc_ptr, d_ptr, b_ptr, y_ptr, N, K, NB, Y
         sc = tl.load(sc_ptr + rows[:, None] * (NB * 16) + grp[None, :], mask=m2, other=0).to(tl.float32)
         d = tl.load(d_ptr + rows[:, None] * NB + grp[None, :] // 16, mask=m2, other=0.0).to(tl.float32)
         acc += (d * sc)[:, :, None] * sw
-    y = tl.sum(tl.reshape(acc, (BLOCK_N, G * 2)), axis=1)
+    y = tl.sum(tl.sum(acc, axis=2), axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=live, other=0.0)
     tl.store(y_ptr + m * Y_STRIDE + part * P_STRIDE + rows, y, mask=live)
@@ -118,7 +119,8 @@ def launch(x: torch.Tensor, w: Q6KWeight, y: torch.Tensor, block_n: int, bias: t
     _q6_k_matvec[grid](x, w.ql.view(torch.int32), w.qh.view(torch.int32), w.sc, w.d, y if bias is None else bias,
                        y, n, k, nb, y.stride(-2), part, y.stride(0) if split > 1 else 0, BLOCK_N=block_n, SB=sb,
                        HAS_BIAS=bias is not None, USE_ASM=ASM,
-                       EVEN=n % block_n == 0 and part % sb == 0 and part * split == nb, STAGES=stages)
+                       EVEN=n % block_n == 0 and part % sb == 0 and part * split == nb, STAGES=stages,
+                       num_warps=warps(block_n, sb))
 
 
 @triton.jit
