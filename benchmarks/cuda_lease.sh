@@ -26,7 +26,7 @@ if want llamacpp && [ ! -x $LB ] && [ ! -f /tmp/lcpp/started ] && [ -f .xfer/lcp
   setsid nohup nice -n 19 bash -c "cmake -S /tmp/lcpp/llama.cpp -B /tmp/lcpp/build -DCMAKE_BUILD_TYPE=Release \
     -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF && \
-    cmake --build /tmp/lcpp/build -j 10 --target llama-bench" > /tmp/lcpp/build.log 2>&1 &
+    cmake --build /tmp/lcpp/build -j 14 --target llama-bench" > /tmp/lcpp/build.log 2>&1 &
 fi
 if [ -z "$ARGS" ] || want tests; then
   python3 -m pytest -q --tb=line tests/test_cuda.py tests/test_cuda_matvec.py tests/test_cuda_attention.py \
