@@ -1,7 +1,8 @@
 """The GPU matvecs over GGUF blocks (jllm.cuda: Q4_K, Q6_K, Q4_0, Q5_0, Q8_0) against a bf16 matmul of the same
 matrix, at the Qwen2.5-1.5B target's shapes and the row counts of decode and verify: time per call, and the
 bytes a call reads over it (GB/s; the H200 streams ~4.8 TB/s). Random blocks: speed does not depend on the
-values.
+values. Each setting's product is first checked against the CPU's own dequantization (jllm.gguf.quants): a
+setting that sums wrong is printed WRONG and never chosen as a shape's best.
 
     python benchmarks/cuda_matvec.py                    # on the GPU
     TRITON_INTERPRET=1 python benchmarks/cuda_matvec.py --tiny    # the CPU: that it runs, no figures worth reading
@@ -20,6 +21,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from jllm.cuda.linear import device_weight
 from jllm.cuda.matvec import matvec
+from jllm.gguf.quants import dequantize
 
 # (type, N, K): the 1.5B Q4_K_M's matrices, then the 0.5B draft's (Q5_0, Q8_0) and a head's (Q4_0)
 SHAPES = {"attn_qkv": (T.Q4_K, 2048, 1536), "attn_qk": (T.Q4_K, 1792, 1536), "attn_v (Q6_K)": (T.Q6_K, 256, 1536),
@@ -53,6 +55,15 @@ def timed(fn, reps: int) -> float:
     return (time.perf_counter() - t) / (max(1, reps // 20) * 20)
 
 
+def wrong(got: torch.Tensor, want: torch.Tensor) -> str | None:
+    """Why a product is wrong (a relative error past float32 accumulation, or a row of zeros), else None."""
+    scale = want.abs().max().item() or 1.0
+    err = (got - want).abs().max().item() / scale
+    if not err < 1e-4:                                   # also catches NaN
+        return f"max error {err:.2e} of the largest output"
+    return None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 5, 8])
@@ -80,18 +91,26 @@ def main() -> None:
             torch.float16).view(torch.uint8)
         w = device_weight(raw.reshape(-1), kind, (n, k), torch.device(dev))
         dense = torch.randn(n, k, generator=g).to(dev, torch.bfloat16)
+        ref_w = dequantize(raw.reshape(-1).numpy(), kind, (n, k)).to(dev)
         for m in a.rows:
             x = torch.randn(m, k, generator=g).to(dev)
             xb = x.to(torch.bfloat16)
             t_dense = timed(lambda: xb @ dense.T, reps)
+            want = (x.double() @ ref_w.double().T).float()
             sbs = a.sb if kind in (T.Q4_K, T.Q6_K) else [1]
             lines = []
             splits = a.split if kind in (T.Q4_K, T.Q6_K) and k >= 4096 else [1]      # long rows only
             stages = a.stages if kind in (T.Q4_K, T.Q6_K) else [1]
             for bn, sb, sp, st in itertools.product(a.block_n, sbs, splits, stages):
+                err = wrong(matvec(x, w, block_n=bn, sb=sb, split=sp, stages=st), want)
+                if err is not None:
+                    print(f"{name:<22} {n:>6} x {k:<5} {m:>4} {bn:>7} {sb:>3} {sp:>5} {st:>6} WRONG ({err})")
+                    continue
                 t = timed(lambda: matvec(x, w, block_n=bn, sb=sb, split=sp, stages=st), reps)
                 lines.append((t, f"{name:<22} {n:>6} x {k:<5} {m:>4} {bn:>7} {sb:>3} {sp:>5} {st:>6} "
                                  f"{t * 1e6:>8.1f} {w.nbytes() / t / 1e9:>7.0f} {t_dense * 1e6:>8.1f}", (bn, sb, sp, st)))
+            if not lines:
+                continue
             for _, line, _ in (sorted(lines) if a.all else [min(lines)]):
                 print(line)
             if m == 1:

@@ -16,7 +16,6 @@ import triton
 import triton.language as tl
 
 
-
 @triton.jit
 def byte_floats(w, ASM: tl.constexpr):
     """int32 words of four bytes b0..b3 -> four int32 words 0x4B0000bi (bitcast: the floats 2^23 + bi)."""
@@ -37,3 +36,9 @@ def as_float(w, offset: tl.constexpr):
 
 
 ASM = os.environ.get("TRITON_INTERPRET") != "1"    # the interpreter runs no PTX: shifts and masks there
+
+
+def warps(block_n: int, sb: int) -> int:
+    """Warps a program: as many as its tile's words fill at four a thread, at most 4 (a tile smaller than its
+    threads is held twice over, which gave wrong sums for 8 outputs x 1 super-block on the H200)."""
+    return max(1, min(4, block_n * sb // 4))

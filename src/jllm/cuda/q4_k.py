@@ -29,7 +29,7 @@ import triton.language as tl
 
 from gguf import GGMLQuantizationType as T
 
-from jllm.cuda.codes import ASM, as_float, byte_floats
+from jllm.cuda.codes import ASM, as_float, byte_floats, warps
 from jllm.cuda.layout import file_blocks, nbytes
 from jllm.gguf.quants import k_scale_codes
 
@@ -115,12 +115,6 @@ def _q4_k_matvec(x_ptr, qs_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, b_ptr, y_ptr, N
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=live, other=0.0)
     tl.store(y_ptr + m * Y_STRIDE + part * P_STRIDE + rows, y, mask=live)
-
-
-def warps(block_n: int, sb: int) -> int:
-    """Warps a program: as many as its tile's words fill at four a thread, at most 4 (a tile smaller than its
-    threads is held twice over, which gave wrong sums for 8 outputs x 1 super-block on the H200)."""
-    return max(1, min(4, block_n * sb // 4))
 
 
 def launch(x: torch.Tensor, w: Q4KWeight, y: torch.Tensor, block_n: int, bias: torch.Tensor | None = None,

@@ -21,9 +21,8 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType as T
 
-from jllm.cuda.codes import ASM, as_float, byte_floats
+from jllm.cuda.codes import ASM, as_float, byte_floats, warps
 from jllm.cuda.layout import file_blocks, nbytes
-from jllm.cuda.q4_k import warps
 
 
 @dataclass
