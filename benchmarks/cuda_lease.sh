@@ -25,7 +25,7 @@ if want llamacpp && [ ! -x $LB ] && [ ! -f /tmp/lcpp/started ] && [ -f .xfer/lcp
   mkdir -p /tmp/lcpp && tar xJf .xfer/lcpp.tar.xz -C /tmp/lcpp && touch /tmp/lcpp/started
   setsid nohup nice -n 19 bash -c "cmake -S /tmp/lcpp/llama.cpp -B /tmp/lcpp/build -DCMAKE_BUILD_TYPE=Release \
     -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
-    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF && \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF && \
     cmake --build /tmp/lcpp/build -j 14 --target llama-bench" > /tmp/lcpp/build.log 2>&1 &
 fi
 if [ -z "$ARGS" ] || want tests; then

@@ -92,13 +92,15 @@ def write(path: str, shape: str, dtype: str = "f16", seed: int = 0) -> None:
     w.add_rope_freq_base(1e6)
     w.add_layer_norm_rms_eps(1e-6)
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tokens = list(BYTE_CHARS) + [f"[PAD{i}]" for i in range(vocab - 256 - len(specials))] + specials
+    # one merge (two spaces), its token first among the padding: llama.cpp refuses a BPE vocabulary without merges
+    tokens = list(BYTE_CHARS) + [BYTE_CHARS[32] * 2] + [f"[PAD{i}]" for i in range(vocab - 257 - len(specials))] \
+        + specials
     types = [1] * (vocab - len(specials)) + [3] * len(specials)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")
     w.add_token_list(tokens)
     w.add_token_types(types)
-    w.add_token_merges([])
+    w.add_token_merges([f"{BYTE_CHARS[32]} {BYTE_CHARS[32]}"])
     w.add_bos_token_id(vocab - 3)
     w.add_eos_token_id(vocab - 1)
     w.add_add_bos_token(False)

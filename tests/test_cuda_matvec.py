@@ -220,3 +220,21 @@ def test_a_long_pass_multiplies_over_the_dequantized_matrix():
     rows = torch.cat([lin(x[i:i + 1]) for i in range(x.shape[0])])
     assert not torch.equal(long, rows)                                 # another path
     assert ((long - rows).abs().max() / rows.abs().max()).item() < 3e-3
+
+
+def test_q4_k_rows_on_the_device_are_the_cpus_dequantized_rows_bit_for_bit():
+    """The embedding lookup on the GPU (jllm.cuda.embedding) gives the host's rows exactly, any ids, repeats."""
+    from jllm.cuda.embedding import DeviceEmbedding
+    from jllm.errors import JllmError
+
+    n, k = 24, 512
+    raw = random_blocks(T.Q4_K, n, k, seed=5)
+    emb = DeviceEmbedding(TYPES[T.Q4_K][0](raw, (n, k), DEV))
+    want = dequantize(raw.numpy(), T.Q4_K, (n, k))
+    for ids in ([3], [3, 0, 23, 3, 11], list(range(n))):
+        got = emb(torch.tensor(ids))
+        assert got.device.type == torch.device(DEV).type and got.dtype == torch.float32
+        assert torch.equal(got.cpu(), want[ids])
+    assert emb(torch.tensor([], dtype=torch.int64)).shape == (0, k)
+    with pytest.raises(JllmError, match="out of range"):
+        emb(torch.tensor([n]))

@@ -11,7 +11,8 @@
 #   start GEN_S STEPS PROCS [TRAIN ARGS...]
 #                           in a new process session: PROCS data makers (seeds SEED_BASE+1.., GEN_S seconds
 #                           of replies each; GEN_ARGS: their sources and batch), then training on the data in
-#                           the repo and theirs, STEPS steps; REPO_DATA=0: on theirs alone (a run from scratch)
+#                           the repo and theirs, STEPS steps (0: none, the data alone); REPO_DATA=0: on theirs
+#                           alone (a run from scratch)
 #   poll                    the logs' last lines
 #   back                    the head (15 MiB parts), the new data and the logs into $OUT
 set -euo pipefail
@@ -47,7 +48,7 @@ wait
 files=
 for f in $M/data/*.npz $M/conv-s*.npz; do [ -f \$f ] && files=\${files:+\$files,}\$f; done
 echo "training on \$files"
-python3 -m jllm.train.head -m $M/t.gguf -o $M/head.gguf --device cuda --data \$files --steps $steps $* \
+[ $steps = 0 ] || python3 -m jllm.train.head -m $M/t.gguf -o $M/head.gguf --device cuda --data \$files --steps $steps $* \
   > $M/train.log 2>&1
 echo "job end \$(date +%s)"
 echo done > $M/finished

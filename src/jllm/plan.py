@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from gguf import GGMLQuantizationType as T
+
 from jllm.eagle3 import format as fmt
 from jllm.eagle3.format import is_head, read_head_config
 from jllm.errors import JllmError
@@ -63,8 +65,9 @@ def model_budget(g: GGUFFile, precision: str, ctx: int, output_rows: int | None 
 
 def _blocks_weights(g: GGUFFile, cfg, output_rows: int | None) -> int:
     """The blocks precision's device bytes (jllm/cuda): a matrix of a block type in its device layout
-    (jllm.cuda.layout.device_bytes), another type in bf16; vectors in f32; the embedding stays on the host
-    (read row by row), and a tied output is a copy of it."""
+    (jllm.cuda.layout.device_bytes), another type in bf16; vectors in f32; a Q4_K embedding on the device in
+    its block layout (jllm.cuda.embedding; the output's copy where the two are tied), another on the host (read
+    row by row); a tied output is a copy of it."""
     from jllm.cuda.layout import BLOCK_TYPES, device_bytes
 
     def matrix(t, rows):
@@ -78,9 +81,12 @@ def _blocks_weights(g: GGUFFile, cfg, output_rows: int | None) -> int:
         elif name != "token_embd.weight":
             rows = min(t.shape[0], output_rows) if name == "output.weight" and output_rows else t.shape[0]
             weights += matrix(t, rows)
+    t = g.tensors["token_embd.weight"]
+    out_rows = min(t.shape[0], output_rows or t.shape[0])
     if cfg.tied_embeddings:
-        t = g.tensors["token_embd.weight"]
-        weights += matrix(t, min(t.shape[0], output_rows or t.shape[0]))
+        weights += matrix(t, out_rows)
+    if t.ggml_type == T.Q4_K and not (cfg.tied_embeddings and out_rows == t.shape[0]):
+        weights += device_bytes(t.ggml_type, t.shape[0], t.shape[1])
     return weights
 
 

@@ -22,14 +22,17 @@ _SPLITS = (q4_k.Q4KWeight, q6_k.Q6KWeight)           # the kernels that take a s
 def setting(w) -> tuple[int, int, int, int]:
     """(outputs a program, super-blocks a step, shares of a row, steps of loads in flight) for a matrix: a
     function of its type and shape alone, never of the row count, so that every call over it sums each row in
-    the same order. From benchmarks/cuda_matvec.py on the H200 (one row, times from CUDA graphs): 8 outputs a
-    program everywhere (more programs beat the fewer instructions a weight of 16 or 32: jllm.cuda.codes);
-    long rows (ffn_down) in shares of 7 super-blocks, for enough programs and bytes in flight."""
+    the same order. From benchmarks/cuda_matvec.py on the H200 (one row, times from CUDA graphs, each setting's
+    products checked first; session 22): 8 outputs x 2 super-blocks a program for the short rows and the
+    output; 16 x 1 for gate|up (17,920 outputs); long rows (ffn_down) in shares of 7 super-blocks, for enough
+    programs and bytes in flight, at 16 x 2 (Q4_K) and 8 x 2 (Q6_K)."""
     n, k = w.shape
     if isinstance(w, _SPLITS):
         if n >= 65536:
             return 8, 2, 1, 1
-        return (8, 2, 1, 1) if k < 4096 else (8, 1, max(1, k // 256 // 7), 1)
+        if k < 4096:
+            return (16, 1, 1, 1) if n >= 16384 else (8, 2, 1, 1)
+        return (16 if isinstance(w, q4_k.Q4KWeight) else 8), 2, max(1, k // 256 // 7), 1
     return (32 if n >= 16384 else 16), 1, 1, 1
 
 

@@ -100,6 +100,21 @@ class Embedding:
         return quants.dequantize(rows, self.type, (len(idx), self.cols)).to(self.device)
 
 
+def _device_embedding(gguf: GGUFFile, weights, output_name: str, device: torch.device):
+    """The blocks precision's embedding: looked up on the GPU from its Q4_K blocks (jllm.cuda.embedding), from
+    the output matrix's own device copy where the two are one tensor."""
+    from jllm.cuda.embedding import DeviceEmbedding
+    from jllm.cuda.linear import device_weight
+    from jllm.cuda.q4_k import Q4KWeight
+
+    info = gguf.tensors["token_embd.weight"]
+    parts = getattr(weights.output, "parts", [])
+    if output_name == "token_embd.weight" and len(parts) == 1 and isinstance(parts[0], Q4KWeight) \
+            and parts[0].shape == tuple(info.shape):
+        return DeviceEmbedding(parts[0])
+    return DeviceEmbedding(device_weight(gguf.raw("token_embd.weight"), quants.T.Q4_K, tuple(info.shape), device))
+
+
 @dataclass
 class Weights:
     embed: Embedding
@@ -343,6 +358,8 @@ def load_weights(gguf: GGUFFile, cfg: ModelConfig, precision: str, device: torch
         output_norm=b.vector("output_norm.weight"),
         output=b.linear([output_name], max_rows=output_rows),
     )
+    if b.precision == "blocks" and gguf.tensors["token_embd.weight"].ggml_type == quants.T.Q4_K:
+        weights.embed = _device_embedding(gguf, weights, output_name, device)
     if isinstance(weights.output, Int8Linear):
         pending.append(packing.submit(weights.output.pack))
     for f in pending:
