@@ -111,7 +111,8 @@ def test_a_row_summed_in_shares_is_the_whole_rows_sum_and_stays_its_own(kind, sp
     shared = matvec(x, w, block_n=8, sb=1, split=split, bias=bias)
     want = x.double().cpu() @ dequantize(raw.numpy(), kind, (n, k)).double().T + bias.double().cpu()
     assert torch.allclose(shared.double().cpu(), want, rtol=1e-5, atol=1e-4 * want.abs().max().item())
-    assert torch.allclose(shared, whole, rtol=1e-5, atol=1e-5)
+    # the shares add in another order than one running sum: float32 rounding of the largest outputs' size
+    assert torch.allclose(shared, whole, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     for i in range(4):
         assert torch.equal(matvec(x[i:i + 1], w, block_n=8, sb=1, split=split, bias=bias), shared[i:i + 1])
 
