@@ -20,12 +20,21 @@ def test_cuda_exact_matches_cpu(arch, tmp_path):
 def test_cuda_bf16_engine_generates(tmp_path):
     path = tmp_path / "qwen2.gguf"
     write_tiny_model(path, "qwen2")
-    eng = Engine(str(path), device="cuda", ctx_size=128)
+    eng = Engine(str(path), device="cuda", precision="bf16", ctx_size=128)
     assert eng.precision == "bf16"
     res = eng.generate("hello", SamplingParams(max_tokens=8))
     assert len(res.token_ids) == 8
     sampled = eng.generate("hello", SamplingParams(max_tokens=8, temperature=0.8, seed=1))
     assert len(sampled.token_ids) == 8
+
+
+def test_cuda_defaults_to_the_gguf_blocks_where_triton_is_there(tmp_path):
+    pytest.importorskip("triton")
+    path = tmp_path / "qwen2.gguf"
+    write_tiny_model(path, "qwen2")
+    eng = Engine(str(path), device="cuda", ctx_size=128)
+    assert eng.precision == "blocks"
+    assert len(eng.generate("hello", SamplingParams(max_tokens=8)).token_ids) == 8
 
 
 def test_cuda_bench_reports_the_devices_memory(tmp_path):

@@ -24,7 +24,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default=None,
                    choices=["exact", "native", "native4", "int8", "int8-fast", "bf16", "f16", "blocks"],
                    help="compute representation (default: native on CPUs with AVX-512 VNNI or AVX2, else int8; "
-                        "bf16 on CUDA)")
+                        "on CUDA blocks, the GGUF's own quant blocks, where triton is installed, else bf16)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (default 4096)")
     p.add_argument("--mem-limit", type=parse_size, default=None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import torch
@@ -27,8 +28,10 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 
 def default_precision(device: torch.device) -> str:
+    """native (else int8) on the CPU; on a GPU the GGUF's own blocks (jllm.cuda: ~8x bf16's decode on the H200,
+    BENCHMARKS.md "CUDA") where triton is there to compile their kernels, else bf16."""
     if device.type != "cpu":
-        return "bf16"
+        return "blocks" if importlib.util.find_spec("triton") is not None else "bf16"
     return "native" if native_supported() else "int8"
 
 
