@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # The head's training run on a lent GPU machine (the device tool), one phase per call; run from the repo root.
-# The target arrives in pieces, one per call: a call carries at most 64 MiB with the working tree, and the
-# tracked tree without the shipped head (src/jllm/heads/, 40 MiB) is ~25 MiB with the training data, so move the
-# head out while the pieces travel (`git checkout src/jllm/heads` puts it back) and cut 38 MiB pieces:
-# split -b 38M -d -a 2 TARGET.gguf .xfer/p (p00-p26; each more MiB of data in the repo takes one from a piece).
+# The target arrives in pieces, one per call: a call carries at most 64 MiB with the working tree. Without the
+# shipped head (src/jllm/heads/, 40 MiB) and the training data (training/qwen2.5-coder-1.5b/, 20 MiB) the tracked
+# tree is ~6 MiB, so move both out while the pieces travel and cut 56 MiB pieces (20 calls for the 1.5B, against
+# 29 of 38 MiB with the data in the tree):
+#     mkdir -p /tmp/away && mv src/jllm/heads/*.gguf training/qwen2.5-coder-1.5b/*.npz /tmp/away/
+#     split -b 56M -d -a 2 TARGET.gguf .xfer/p                       # p00-p19, each sent by `recv NN`
+# then put the data back for `start` (`git checkout training/`; it travels with that call, the head stays out).
 # Files in /tmp/m stay while the machine is warm: the next call must start < 30 s after one ends, the second
 # one too (the cold start's call is no exception).
 #   recv NN                 keep piece .xfer/pNN
