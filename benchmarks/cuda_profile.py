@@ -1,6 +1,8 @@
 """Where a GPU decode step of the blocks precision spends its time: the kernels of one eager step by GPU time
 (torch's profiler), how many launches a step is, and a step's wall time eager against replayed from a CUDA graph
-(jllm.cuda.graphs), beside the floor of reading the weights once at the device's copy bandwidth.
+(jllm.cuda.graphs), beside the floor of reading the weights once at the device's copy bandwidth; then a
+prefill (the context's tokens in jllm's chunks, as `jllm bench` times it): its wall time against its kernels'
+GPU time, and those kernels by GPU time.
 
     python benchmarks/cuda_profile.py MODEL.gguf [--context 512] [--rows 1 5]
 """
@@ -42,6 +44,45 @@ def step_ms(m, cache, ids: torch.Tensor, at: int, reps: int = 50) -> float:
     return statistics.median(times) * 1e3
 
 
+def kernel_table(prof, per: int, top: int, what: str) -> None:
+    """The profiled CUDA kernels by GPU time, over `per` repetitions of `what`."""
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.self_device_time_total for e in events) / per
+    launches = sum(e.count for e in events) / per
+    print(f"\n{what}: {launches:.0f} kernel launches, {total / 1e3:.3f} ms of GPU time")
+    print(f"{'kernel':<70} {'calls':>6} {'us/each':>9} {'share':>6}")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:top]:
+        us = e.self_device_time_total / per
+        print(f"{e.key[:70]:<70} {e.count / per:>6.0f} {us:>9.1f} {us / total:>6.1%}")
+
+
+def prefill(m, ctx: torch.Tensor, top: int, reps: int = 5) -> None:
+    """A prefill of ctx in jllm.sequence's chunks, eager (more rows than the graphs take): wall against GPU."""
+    from jllm.sequence import PREFILL_CHUNK
+
+    cache = m.new_cache(ctx.shape[0] + 64)
+
+    def run():
+        cache.truncate(0)
+        for s in range(0, ctx.shape[0], PREFILL_CHUNK):
+            m.forward(ctx[s:s + PREFILL_CHUNK], cache, last_only=True)
+        torch.cuda.synchronize()
+
+    run()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t)
+    wall = statistics.median(times)
+    print(f"\nprefill of {ctx.shape[0]} tokens in chunks of {PREFILL_CHUNK}: {wall * 1e3:.2f} ms "
+          f"({ctx.shape[0] / wall:,.0f} tok/s)")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            run()
+    kernel_table(prof, reps, top, "one prefill")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
@@ -73,16 +114,10 @@ def main() -> None:
             cache.truncate(a.context)
             m.forward(ids, cache)
         torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    total = sum(e.self_device_time_total for e in events) / 5
-    launches = sum(e.count for e in events) / 5
-    print(f"\none eager decode step: {launches:.0f} kernel launches, {total / 1e3:.3f} ms of GPU time")
-    print(f"{'kernel':<70} {'calls':>6} {'us/step':>9} {'share':>6}")
-    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:a.top]:
-        us = e.self_device_time_total / 5
-        print(f"{e.key[:70]:<70} {e.count / 5:>6.0f} {us:>9.1f} {us / total:>6.1%}")
+    kernel_table(prof, 5, a.top, "one eager decode step")
     m.graphs = graphs
     host_time(m, cache, a.context, a.top)
+    prefill(m, ctx, a.top)
 
 
 def host_time(m, cache, at: int, top: int, steps: int = 48) -> None:
