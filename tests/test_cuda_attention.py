@@ -68,3 +68,17 @@ def test_a_long_cache_is_split_in_wider_chunks_and_merged_exactly(window):
     assert torch.allclose(got.double(), reference(q, k, v, start, window, 0.3), atol=1e-5)
     pos = torch.tensor([start + 1], device=DEV)                      # positions as a device tensor
     assert torch.equal(attention(q[1:].to(DEV), k.to(DEV), v.to(DEV), pos, window, 0.3).cpu(), got[1:])
+
+
+@pytest.mark.parametrize("window", [0, 7])
+def test_a_prefill_sized_call_takes_all_keys_in_one_chunk_and_keeps_each_row_its_own(window):
+    from jllm.cuda.layout import QUERIES
+
+    g = torch.Generator().manual_seed(21 + window)
+    T, H, Hk, hd, max_t, start = QUERIES + 4, 4, 2, 16, 200, 60      # keys cross blocks of 64
+    q = torch.randn(T, H, hd, generator=g)
+    k, v = torch.randn(Hk, max_t, hd, generator=g), torch.randn(Hk, max_t, hd, generator=g)
+    got = attention(q.to(DEV), k.to(DEV), v.to(DEV), start, window, 0.3).cpu()
+    assert torch.allclose(got.double(), reference(q, k, v, start, window, 0.3), atol=1e-5)
+    later = attention(q[3:].to(DEV), k.to(DEV), v.to(DEV), start + 3, window, 0.3).cpu()    # another such call
+    assert torch.equal(later, got[3:])

@@ -93,8 +93,9 @@ def _blocks_weights(g: GGUFFile, cfg, output_rows: int | None) -> int:
 def _blocks_scratch(g: GGUFFile, cfg, ctx: int) -> int:
     """What the blocks precision adds to a pass's scratch: the f16 copy of the widest layer matrix that a
     prefill chunk multiplies over (jllm.cuda.linear; q|k|v and gate|up are one part each) and attention's
-    per-chunk parts for 16 queries (jllm.cuda.attention)."""
+    per-chunk parts for 16 queries, or a prefill chunk's queries over one chunk each (jllm.cuda.attention)."""
     from jllm.cuda.layout import QUERIES, n_chunks
+    from jllm.sequence import PREFILL_CHUNK
 
     widest = 0
     for i in range(cfg.n_layers):
@@ -102,7 +103,8 @@ def _blocks_scratch(g: GGUFFile, cfg, ctx: int) -> int:
             ts = [g.tensors.get(f"blk.{i}.{n}.weight") for n in names]
             if all(ts):
                 widest = max(widest, sum(t.shape[0] for t in ts) * ts[0].shape[1])
-    return widest * 2 + QUERIES * cfg.n_heads * n_chunks(ctx) * (cfg.head_dim + 2) * 4
+    parts = max(QUERIES * n_chunks(ctx), min(PREFILL_CHUNK, ctx))
+    return widest * 2 + parts * cfg.n_heads * (cfg.head_dim + 2) * 4
 
 
 def _kv(cfg, ctx: int, precision: str) -> int:

@@ -9,6 +9,12 @@ whose size depends on the cache's length alone (chunk_size): one program per (qu
 softmax (running max and sum, float32) over its chunk's keys in blocks of BLOCK_T, and one per (query, head)
 merges the chunks' parts in a fixed order. Nothing in it depends on how many queries the call has. The cache may
 be float16 or float32.
+
+A call of more than QUERIES queries (a prefill's chunk: its matrices already go another way, jllm.cuda.linear)
+has work enough in its queries: there each (query, head) runs over all its keys as one chunk, in one launch of
+each kernel instead of two for every 16 queries (a 256-token chunk of a 28-layer model: 56 launches, not 896;
+eager launches of ~30-70 us each are most of a prefill's time). Such a query's output is then the same whatever
+other queries share its call, among calls of that size; a verify pass (at most 16 rows) is never one.
 """
 
 from __future__ import annotations
@@ -89,15 +95,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int | torc
         if pos + T > max_t:
             raise ValueError(f"positions up to {pos + T - 1} in a cache of {max_t}")
         pos = torch.arange(pos, pos + T, device=q.device)
-    chunk, nch = chunk_size(max_t), n_chunks(max_t)
+    if T > QUERIES:                      # a prefill's chunk: all keys as one chunk, all queries in one launch
+        chunk, nch, per = triton.next_power_of_2(max_t), 1, T
+    else:
+        chunk, nch, per = chunk_size(max_t), n_chunks(max_t), QUERIES
     out = torch.empty(T, H, hd, dtype=torch.float32, device=q.device)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    part = torch.empty(min(QUERIES, T), H, nch, hd, dtype=torch.float32, device=q.device)
-    ml = torch.empty(min(QUERIES, T), H, nch, 2, dtype=torch.float32, device=q.device)
-    for s in range(0, T, QUERIES):       # the chunks' parts of QUERIES queries at a time bound the scratch
-        n = min(QUERIES, T - s)
+    part = torch.empty(min(per, T), H, nch, hd, dtype=torch.float32, device=q.device)
+    ml = torch.empty(min(per, T), H, nch, 2, dtype=torch.float32, device=q.device)
+    for s in range(0, T, per):           # the chunks' parts of QUERIES queries at a time bound the scratch
+        n = min(per, T - s)
         _attention_chunk[(n, H, nch)](q[s:], k, v, part, ml, pos[s:], window, scale, H, H // hk, max_t, nch,
                                       HD=hd, CHUNK=chunk, BLOCK_T=min(block_t, chunk))
         _attention_combine[(n, H)](part, ml, out[s:], pos[s:], window, H, nch, HD=hd,
-                                   NCH_P2=triton.next_power_of_2(nch), CHUNK=chunk)
+                                   NCH_P2=max(2, triton.next_power_of_2(nch)), CHUNK=chunk)
     return out.view(T, H * hd)
