@@ -165,6 +165,19 @@ def test_blocks_precision_runs_a_model_as_the_exact_path_does(arch, qtype, tmp_p
     assert model_budget(g, "blocks", 32).weights == blocks.w.nbytes() + vectors
 
 
+def test_an_embedding_held_on_the_device_counts_in_the_weights_once():
+    """Weights.nbytes counts a DeviceEmbedding's own copy, and not again when it is the tied output's."""
+    from jllm.cuda.embedding import DeviceEmbedding
+    from jllm.cuda.linear import BlocksLinear
+    from jllm.model.weights import Weights
+
+    w = TYPES[T.Q4_K][0](random_blocks(T.Q4_K, 16, 256), (16, 256), DEV)
+    other = TYPES[T.Q4_K][0](random_blocks(T.Q4_K, 16, 256, seed=1), (16, 256), DEV)
+    tied = Weights(embed=DeviceEmbedding(w), layers=[], output_norm=None, output=BlocksLinear([w]))
+    untied = Weights(embed=DeviceEmbedding(w), layers=[], output_norm=None, output=BlocksLinear([other]))
+    assert tied.nbytes() == w.nbytes() and untied.nbytes() == 2 * w.nbytes()
+
+
 def test_blocks_precision_is_refused_where_it_cannot_run(monkeypatch, tmp_path):
     from jllm.errors import JllmError
     from jllm.model.loader import load_model
@@ -175,6 +188,25 @@ def test_blocks_precision_is_refused_where_it_cannot_run(monkeypatch, tmp_path):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(JllmError, match="precision blocks needs a CUDA device"):
         load_model(path, device="cpu", precision="blocks", cache_weights=False)
+
+
+def test_blocks_precision_refuses_what_would_not_be_exact_or_would_not_run(tmp_path):
+    """A verify pass past the matvecs' 16 rows would take the prefill's kernels (not a single step's bits), and
+    the GPU attention needs a power-of-two head size: both refused in one line, before anything loads."""
+    from jllm.engine import Engine
+    from jllm.errors import JllmError
+    from jllm.model.loader import load_model
+    from jllm.spec.config import SpecConfig
+    from synthetic import write_tiny_model
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_model(path, "qwen2", qtype=T.Q8_0)
+    with pytest.raises(JllmError, match="--draft-max is at most 15 with precision blocks"):
+        Engine(str(path), device=DEV, precision="blocks", ctx_size=64, spec=SpecConfig(mode="ngram", draft_max=16))
+    odd = tmp_path / "odd.gguf"
+    write_tiny_model(odd, "qwen3", qtype=T.Q8_0, head_dim=24)
+    with pytest.raises(JllmError, match="power-of-two head size"):
+        load_model(odd, device=DEV, precision="blocks", cache_weights=False)
 
 
 def test_blocks_model_batched_pass_is_single_steps_bitwise(tmp_path):

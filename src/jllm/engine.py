@@ -125,6 +125,12 @@ class Engine:
         self.tokenizer = Tokenizer.from_metadata(self.gguf.metadata)
         self.chat_template = ChatTemplate.from_metadata(self.gguf.metadata, self.tokenizer)
         self.precision = precision or default_precision(self.device)
+        if spec is not None and spec.mode != "none" and self.precision == "blocks":
+            from jllm.cuda.linear import MATVEC_ROWS
+
+            if spec.draft_max + 1 > MATVEC_ROWS:         # a longer verify pass takes the prefill's kernels: inexact
+                raise JllmError(f"--draft-max is at most {MATVEC_ROWS - 1} with precision blocks "
+                                f"(got {spec.draft_max})")
         draft_gguf = self._check_draft(draft_path) if draft_path is not None else None   # fail before loading
         head_gguf = draft_gguf if draft_gguf is not None and is_head(draft_gguf) else None
         if head_gguf is not None:

@@ -17,7 +17,8 @@ from jllm.errors import JllmError
 
 
 class DeviceEmbedding:
-    """ids [T] int64 (host or device) -> their rows, float32 [T, D] on the device."""
+    """ids [T] int64 (host or device) -> their rows, float32 [T, D] on the device. Ids on the host are checked;
+    ids already on the device (jllm's own, never a user's) are not, which would cost a synchronisation."""
 
     def __init__(self, weight: Q4KWeight):
         self.weight = weight
@@ -27,7 +28,7 @@ class DeviceEmbedding:
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.device.type == "cpu" and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.rows):
             raise JllmError(f"token id out of range 0..{self.rows - 1}")
-        return rows(self.weight, ids.reshape(-1).to(self.device, torch.int64))
+        return rows(self.weight, ids.reshape(-1).to(self.device, torch.int64).contiguous())
 
     def nbytes(self) -> int:
         return self.weight.nbytes()

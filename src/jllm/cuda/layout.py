@@ -36,7 +36,8 @@ QUERIES = 16            # attention's queries a launch: a prefill's scratch stay
 
 def chunk_size(max_t: int) -> int:
     """Attention's keys per chunk for a cache of max_t positions: a power of two >= 64, at most 64 chunks. A
-    function of the cache alone, so that every query of every call is split the same way."""
+    function of the cache alone, so that every query of every call of up to QUERIES queries is split the same way
+    (a longer call takes each query's keys as one chunk: jllm.cuda.attention)."""
     size = 64
     while n_chunks(max_t, size) > 64:
         size *= 2

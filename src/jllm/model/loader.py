@@ -28,11 +28,18 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 
 def default_precision(device: torch.device) -> str:
-    """native (else int8) on the CPU; on a GPU the GGUF's own blocks (jllm.cuda: ~8x bf16's decode on the H200,
-    BENCHMARKS.md "CUDA") where triton is there to compile their kernels, else bf16."""
+    """native (else int8) on the CPU; on an NVIDIA GPU of compute capability 8.0 or more (Ampere: the origin
+    document's Jetson is 8.7) the GGUF's own blocks (jllm.cuda: ~8x bf16's decode on the H200, BENCHMARKS.md
+    "CUDA") where triton is there to compile their kernels (their inline PTX needs CUDA, not ROCm), else bf16."""
     if device.type != "cpu":
-        return "blocks" if importlib.util.find_spec("triton") is not None else "bf16"
+        return "blocks" if _blocks_possible(device) else "bf16"
     return "native" if native_supported() else "int8"
+
+
+def _blocks_possible(device: torch.device) -> bool:
+    if device.type != "cuda" or torch.version.hip is not None or importlib.util.find_spec("triton") is None:
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def load_model(path: str | os.PathLike | GGUFFile, device: str | torch.device | None = "cpu",
@@ -44,7 +51,12 @@ def load_model(path: str | os.PathLike | GGUFFile, device: str | torch.device | 
     cfg = config_from_gguf(gguf.metadata, set(gguf.tensors), source=str(gguf.path))
     check_shapes(cfg, {n: tuple(t.shape) for n, t in gguf.tensors.items()}, str(gguf.path))
     dev = resolve_device(device)
-    weights = load_weights(gguf, cfg, precision or default_precision(dev), dev, cache_weights, output_rows)
+    precision = precision or default_precision(dev)
+    if precision == "blocks" and (cfg.head_dim & (cfg.head_dim - 1) or cfg.n_heads % cfg.n_kv_heads):
+        raise JllmError(f"{gguf.path.name}: precision blocks needs a power-of-two head size and query heads a "
+                        f"multiple of the kv heads (has {cfg.head_dim}, {cfg.n_heads} / {cfg.n_kv_heads}); "
+                        "use --precision bf16")
+    weights = load_weights(gguf, cfg, precision, dev, cache_weights, output_rows)
     model = Transformer(cfg, weights, dev, max_positions or cfg.context_length)
     model.gguf = gguf
     return model

@@ -127,7 +127,10 @@ class Weights:
         return [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.output]
 
     def nbytes(self) -> int:
-        return sum(lin.nbytes() for lin in self.matrices())
+        """The matrices' bytes, and an embedding held on the device in its own copy (jllm.cuda.embedding)."""
+        own = getattr(self.embed, "weight", None)
+        shared = own is not None and any(p is own for p in getattr(self.output, "parts", []))
+        return sum(lin.nbytes() for lin in self.matrices()) + (own.nbytes() if own is not None and not shared else 0)
 
 
 class _Builder:
