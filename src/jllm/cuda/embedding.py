@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from jllm.cuda.q4_k import Q4KWeight, rows
-from jllm.errors import JllmError
+from jllm.model.weights import check_ids
 
 
 class DeviceEmbedding:
@@ -26,8 +26,8 @@ class DeviceEmbedding:
         self.device = weight.qs.device
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        if ids.device.type == "cpu" and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.rows):
-            raise JllmError(f"token id out of range 0..{self.rows - 1}")
+        if ids.device.type == "cpu" and ids.numel():
+            check_ids(int(ids.min()), int(ids.max()), self.rows)
         return rows(self.weight, ids.reshape(-1).to(self.device, torch.int64).contiguous())
 
     def nbytes(self) -> int:

@@ -133,12 +133,19 @@ def launch(x: torch.Tensor, w: Q4KWeight, y: torch.Tensor, block_n: int, bias: t
 
 
 @triton.jit
-def _q4_k_dequantize(qs_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, w_ptr, N, NB, BLOCK_N: tl.constexpr,
-                     USE_ASM: tl.constexpr):
+def _q4_k_dequantize(ids_ptr, qs_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, w_ptr, N, NB, BLOCK_N: tl.constexpr,
+                     GATHER: tl.constexpr, USE_ASM: tl.constexpr):
+    """Output rows pid_n * BLOCK_N .. (of N), super-block kb: matrix rows themselves, or with GATHER the rows
+    ids[...]; in w_ptr's type. d * scale * q is exact in float32 (11 + 6 + 4 bits), so a float32 value has one
+    rounding, fused or not, as on the CPU (jllm.gguf.quants)."""
     pid_n = tl.program_id(0)
     kb = tl.program_id(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    live = rows < N
+    out_rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    live = out_rows < N
+    if GATHER:
+        rows = tl.load(ids_ptr + out_rows, mask=live, other=0).to(tl.int64)
+    else:
+        rows = out_rows
     s = tl.arange(0, 8)
     t = tl.arange(0, 4)
     m3 = live[:, None, None]
@@ -151,46 +158,30 @@ def _q4_k_dequantize(qs_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, w_ptr, N, NB, BLOC
           * tl.load(mn_ptr + meta, mask=live[:, None], other=0).to(tl.float32))[:, :, None]
     lo = byte_floats(q & 0x0F0F0F0F, USE_ASM)
     hi = byte_floats((q >> 4) & 0x0F0F0F0F, USE_ASM)
-    at = rows[:, None, None] * (NB * 256) + kb * 256 + s[None, :, None] * 32 + t[None, None, :]
+    at = out_rows[:, None, None] * (NB * 256) + kb * 256 + s[None, :, None] * 32 + t[None, None, :]
+    ty = w_ptr.dtype.element_ty
     for j in tl.static_range(4):
-        tl.store(w_ptr + at + 4 * j, (ds * as_float(lo[j], 0.0) - dm).to(tl.float16), mask=m3)
-        tl.store(w_ptr + at + 16 + 4 * j, (ds * as_float(hi[j], 0.0) - dm).to(tl.float16), mask=m3)
+        tl.store(w_ptr + at + 4 * j, (ds * as_float(lo[j], 0.0) - dm).to(ty), mask=m3)
+        tl.store(w_ptr + at + 16 + 4 * j, (ds * as_float(hi[j], 0.0) - dm).to(ty), mask=m3)
+
+
+def _launch_dequantize(w: Q4KWeight, out: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
+    n = out.shape[0]
+    if n:
+        _q4_k_dequantize[(triton.cdiv(n, 16), w.d.shape[1])](w.d if ids is None else ids, w.qs.view(torch.int32),
+                                                              w.d, w.dmin, w.sc, w.mn, out, n, w.d.shape[1],
+                                                              BLOCK_N=16, GATHER=ids is not None, USE_ASM=ASM)
+    return out
 
 
 def dequantize(w: Q4KWeight) -> torch.Tensor:
     """The matrix in float16 [N, K] (a prefill's matrix product on the tensor cores)."""
     n, k = w.shape
-    out = torch.empty(n, k, dtype=torch.float16, device=w.qs.device)
-    _q4_k_dequantize[(triton.cdiv(n, 16), w.d.shape[1])](w.qs.view(torch.int32), w.d, w.dmin, w.sc, w.mn, out, n,
-                                                          w.d.shape[1], BLOCK_N=16, USE_ASM=ASM)
-    return out
-
-
-@triton.jit
-def _q4_k_rows(ids_ptr, qs_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, out_ptr, NB, USE_ASM: tl.constexpr):
-    i = tl.program_id(0)                  # out[i] = the dequantized row ids[i], one super-block a program
-    kb = tl.program_id(1)
-    row = tl.load(ids_ptr + i).to(tl.int64)
-    s = tl.arange(0, 8)
-    t = tl.arange(0, 4)
-    q = tl.load(qs_ptr + row * (NB * 32) + kb * 32 + s[:, None] * 4 + t[None, :])            # int32 [8, 4]
-    meta = (row * NB + kb) * 8 + s
-    ds = (tl.load(d_ptr + row * NB + kb).to(tl.float32) * tl.load(sc_ptr + meta).to(tl.float32))[:, None]
-    dm = (tl.load(dmin_ptr + row * NB + kb).to(tl.float32) * tl.load(mn_ptr + meta).to(tl.float32))[:, None]
-    lo = byte_floats(q & 0x0F0F0F0F, USE_ASM)
-    hi = byte_floats((q >> 4) & 0x0F0F0F0F, USE_ASM)
-    at = i.to(tl.int64) * (NB * 256) + kb * 256 + s[:, None] * 32 + t[None, :]
-    for j in tl.static_range(4):          # d * scale * q is exact in float32 (11 + 6 + 4 bits): one rounding,
-        tl.store(out_ptr + at + 4 * j, as_float(lo[j], 0.0) * ds - dm)      # fused or not, as on the CPU
-        tl.store(out_ptr + at + 16 + 4 * j, as_float(hi[j], 0.0) * ds - dm)
+    return _launch_dequantize(w, torch.empty(n, k, dtype=torch.float16, device=w.qs.device), None)
 
 
 def rows(w: Q4KWeight, ids: torch.Tensor) -> torch.Tensor:
     """The rows ids (int64 on w's device) dequantized to float32 [len(ids), K], bitwise the CPU's values
     (jllm.gguf.quants): the embedding lookup on the device (jllm.cuda.embedding)."""
-    n, k = w.shape
-    out = torch.empty(ids.shape[0], k, dtype=torch.float32, device=w.qs.device)
-    if ids.shape[0]:
-        _q4_k_rows[(ids.shape[0], w.d.shape[1])](ids, w.qs.view(torch.int32), w.d, w.dmin, w.sc, w.mn, out,
-                                                 w.d.shape[1], USE_ASM=ASM)
-    return out
+    return _launch_dequantize(w, torch.empty(ids.shape[0], w.shape[1], dtype=torch.float32, device=w.qs.device),
+                              ids)

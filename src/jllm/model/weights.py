@@ -58,6 +58,12 @@ class LayerWeights:
     post_ffn_norm: torch.Tensor | None = None
 
 
+def check_ids(lowest: int, highest: int, rows: int) -> None:
+    """JllmError in one line unless token ids from lowest to highest all have a row of an embedding of `rows`."""
+    if lowest < 0 or highest >= rows:
+        raise JllmError(f"token id out of range 0..{rows - 1}")
+
+
 class Embedding:
     """Exact row lookup straight from the GGUF bytes."""
 
@@ -75,13 +81,12 @@ class Embedding:
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.numel() <= self.SMALL:                  # decode steps: recent rows are kept dequantized
             small = ids.tolist()                       # plain Python: a draft step's lookup runs cold, after
-            if small and (min(small) < 0 or max(small) >= self.rows):   # the weights' stream (numpy: ~0.1 ms)
-                raise JllmError(f"token id out of range 0..{self.rows - 1}")
+            if small:                                  # the weights' stream (numpy: ~0.1 ms)
+                check_ids(min(small), max(small), self.rows)
             rows = [self._row(i) for i in small]
             return torch.stack(rows)
         idx = ids.cpu().numpy()
-        if idx.min() < 0 or idx.max() >= self.rows:
-            raise JllmError(f"token id out of range 0..{self.rows - 1}")
+        check_ids(int(idx.min()), int(idx.max()), self.rows)
         return self._dequantize(idx)
 
     def _row(self, i: int) -> torch.Tensor:
