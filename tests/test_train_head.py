@@ -17,7 +17,7 @@ from jllm.model.config import config_from_gguf
 from jllm.train import data as data_mod
 from jllm.train.eagle3 import Eagle3Head, HeadConfig, rope_interleaved
 from jllm.train.export import write_head
-from jllm.train.head import TrainConfig, make_batches, new_head, spread, train
+from jllm.train.head import TrainConfig, lr_factor, make_batches, new_head, progress, spread, train
 from jllm.train.target import load_target
 
 pytestmark = pytest.mark.usefixtures("native_kernels")      # built before the first model runs
@@ -200,6 +200,52 @@ def test_train_loss_falls_and_the_gguf_loads(target, tmp_path):
     w = dequantize(g.raw(fmt.OUTPUT), g.tensors[fmt.OUTPUT].ggml_type, g.tensors[fmt.OUTPUT].shape)
     err = (w - head.lm_head.weight).norm() / head.lm_head.weight.norm()
     assert err < 0.15
+
+
+def test_the_schedule_follows_steps_or_the_clock_whichever_ends_first():
+    assert progress(50, 100, 1.0, None) == 0.5 and progress(50, 100, 1e9, None) == 0.5
+    assert progress(50, 100, 30.0, 40.0) == 0.75                # the clock is further on than the steps
+    assert progress(50, 100, 10.0, 40.0) == 0.5 and progress(10, 100, 99.0, 40.0) == 1.0
+    assert lr_factor(0, 10, 0.0) == pytest.approx(0.1) and lr_factor(9, 10, 0.0) == pytest.approx(1.0)
+    assert lr_factor(50, 10, 0.5) == pytest.approx(0.55) and lr_factor(50, 10, 1.0) == pytest.approx(0.1)
+
+
+def test_a_time_limit_ends_training_decayed_and_checkpoints_leave_a_head(target, tmp_path, monkeypatch):
+    """The clock, not the step count, ends this run: the steps after it are not taken, the last steps ran at
+    the decayed rate, and each held-out score left the head as it then was."""
+    from jllm.train import head as head_mod
+
+    tg, _, d = target
+    prompt = data_mod.chat_prompt(tg.template, tg.tokenizer, "Count to ten")
+    rows = [(prompt, tg.generate([prompt], 30, sample=False)[0], 1, False)] * 5
+    conv = data_mod.Conversations.build(rows, dict(target="target.gguf", tokenizer=tg.tokenizer.fingerprint()))
+    d2t = data_mod.draft_vocab(conv, tg.cfg.vocab_size, 64, always=tg.tokenizer.eot_ids)
+    torch.manual_seed(0)
+    head = new_head(tg, d2t, ffn=64)
+    clock = iter(range(10**6))                        # one "second" passes at every reading of the clock
+    monkeypatch.setattr(head_mod.time, "perf_counter", lambda: float(next(clock)))
+    lrs, saved = [], []
+    real_step = torch.optim.AdamW.step
+
+    def step(opt, *a, **k):
+        lrs.append(opt.param_groups[0]["lr"])
+        return real_step(opt, *a, **k)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    tc = TrainConfig(steps=1000, lr=1e-3, warmup=2, batch_tokens=512, max_len=256, ttt=2, log_every=2,
+                     holdout=0.2, time_limit=60.0)
+    logs = []
+    hist = train(tg, head, conv, tc, log=logs.append, checkpoint=lambda h: saved.append(h.training))
+    assert 5 < len(hist.loss) < 60 and len(lrs) == len(hist.loss)
+    assert any("time limit of 60 s ends training" in line for line in logs)
+    assert hist.held_acc[-1][0] == len(hist.loss)     # the head as it ended was scored on the held-out rows
+    assert lrs[-1] < 0.2 * 1e-3 and max(lrs) > 0.5 * 1e-3   # it decayed to near the floor of 0.1 by the end
+    assert saved and not any(saved)                 # checkpoints saw the head in eval mode
+
+    out = tmp_path / "h.gguf"
+    head_mod._checkpoint(str(out), head, str(d / "target.gguf"), gguf.GGMLQuantizationType.Q4_0)
+    assert out.exists() and not (tmp_path / "h.gguf.part").exists()
+    assert fmt.read_head_config(read_gguf(out)).ffn == 64
 
 
 def test_jllm_runs_the_written_head_as_it_was_trained(target, tmp_path):

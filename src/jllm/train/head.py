@@ -45,10 +45,11 @@ class TrainConfig:
     log_every: int = 50
     holdout: float = 0.0             # share of conversations kept out of training, to measure the head on
     holdout_batches: int = 8         # of them, at most this many batches are scored at each log line
+    time_limit: float | None = None  # seconds at most: the schedule then ends with the time, decayed, if first
 
     def __post_init__(self):
         if self.steps < 1 or self.ttt < 1 or self.batch_tokens < self.max_len or self.lr <= 0 or \
-                not 0.0 <= self.holdout <= 0.5:
+                not 0.0 <= self.holdout <= 0.5 or (self.time_limit is not None and self.time_limit <= 0):
             raise JllmError(f"bad training settings: {self}")
 
 
@@ -117,8 +118,21 @@ def new_head(target: Target, d2t: np.ndarray, ffn: int | None, layers=None) -> E
     return head.to(target.device)
 
 
+def progress(step: int, steps: int, elapsed: float, time_limit: float | None) -> float:
+    """How far training is, 0..1: by steps, or by time where a time limit would end it first. The learning
+    rate's decay follows it, so a run the clock ends still ends at its low rate, not mid-schedule."""
+    p = step / steps
+    return min(1.0, p if time_limit is None else max(p, elapsed / time_limit))
+
+
+def lr_factor(step: int, warm: int, prog: float) -> float:
+    """Linear warm-up over `warm` steps, then cosine from 1.0 down to 0.1 over the progress."""
+    return min(1.0, (step + 1) / warm) * (0.1 + 0.45 * (1 + math.cos(math.pi * prog)))
+
+
 def train(target: Target, head: Eagle3Head, conv: data_mod.Conversations, tc: TrainConfig,
-          log=print) -> History:
+          log=print, checkpoint=None) -> History:
+    """`checkpoint(head)`, if given, is called after each held-out score (the head then in eval mode)."""
     dev = target.device
     rng = random.Random(tc.seed)
     held = set(random.Random(tc.seed + 1).sample(range(len(conv)), int(len(conv) * tc.holdout)))
@@ -127,17 +141,30 @@ def train(target: Target, head: Eagle3Head, conv: data_mod.Conversations, tc: Tr
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=tc.lr, betas=(0.9, 0.95), weight_decay=0.0)
     warm = min(tc.warmup, max(1, tc.steps // 10))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) * (
-        0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, s / tc.steps)))))
     pad = target.tokenizer.eos_id or 0
     d2t = head.d2t.to(dev)
     hist = History()
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else torch.autocast(
         "cpu", enabled=False)
+
+    def score(step):
+        held_acc = evaluate(target, head, conv, held_batches, tc, pad, d2t, autocast)
+        hist.held_acc.append((step, held_acc))
+        log(f"step {step}: held-out agreement per draft step {' '.join(f'{a:.2f}' for a in held_acc)} "
+            f"({len(held)} conversations kept out)")
+
     head.train()
     order: list[int] = []
     t_start = time.perf_counter()
     for step in range(tc.steps):
+        prog = progress(step, tc.steps, time.perf_counter() - t_start, tc.time_limit)
+        if prog >= 1.0:
+            log(f"step {step}/{tc.steps}: the time limit of {tc.time_limit:.0f} s ends training")
+            if held_batches:
+                score(step)
+            break
+        for g in opt.param_groups:
+            g["lr"] = tc.lr * lr_factor(step, warm, prog)
         if not order:
             order = list(range(len(batches)))
             rng.shuffle(order)
@@ -153,7 +180,6 @@ def train(target: Target, head: Eagle3Head, conv: data_mod.Conversations, tc: Tr
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, tc.clip)
         opt.step()
-        sched.step()
         if dev.type == "cuda":
             torch.cuda.synchronize()
         t2 = time.perf_counter()
@@ -170,10 +196,11 @@ def train(target: Target, head: Eagle3Head, conv: data_mod.Conversations, tc: Tr
                 f"{' '.join(f'{a:.2f}' for a in acc)}, {hist.tokens / (time.perf_counter() - t_start):.0f} "
                 f"tok/s (target {hist.target_s:.1f} s, head {hist.head_s:.1f} s)")
             if held_batches and ((step + 1) % (4 * tc.log_every) == 0 or step + 1 == tc.steps):
-                held_acc = evaluate(target, head, conv, held_batches, tc, pad, d2t, autocast)
-                hist.held_acc.append((step + 1, held_acc))
-                log(f"step {step + 1}: held-out agreement per draft step {' '.join(f'{a:.2f}' for a in held_acc)} "
-                    f"({len(held)} conversations kept out)")
+                score(step + 1)
+                if checkpoint is not None:
+                    head.eval()
+                    checkpoint(head)
+                    head.train()
     head.eval()
     return hist
 
@@ -228,6 +255,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=TrainConfig.lr)
     ap.add_argument("--batch-tokens", type=int, default=TrainConfig.batch_tokens)
     ap.add_argument("--max-len", type=int, default=TrainConfig.max_len)
+    ap.add_argument("--train-time", type=float, default=None, help="seconds at most for training: the "
+                    "learning rate then decays over the time, if it ends training before --steps")
+    ap.add_argument("--checkpoint", action="store_true", help="write the head to --out at each held-out "
+                    "score too (a run cut short still leaves a head)")
     ap.add_argument("--ttt", type=int, default=TrainConfig.ttt, help="unrolled draft steps")
     ap.add_argument("--qtype", default="Q4_0", help="matrix type in the file (Q4_0, Q8_0, F16, ...)")
     ap.add_argument("--holdout", type=float, default=0.02, help="share of conversations kept out of training "
@@ -239,6 +270,14 @@ def main(argv: list[str] | None = None) -> int:
     except JllmError as e:
         print(f"jllm train-head: {e}", file=sys.stderr)
         return 1
+
+
+def _checkpoint(out: str, head: Eagle3Head, model: str, qtype) -> None:
+    """The head as it is now, written next to `out` and renamed over it (a reader never sees half a file)."""
+    tmp = f"{out}.part"
+    write_head(tmp, head, model, qtype)
+    Path(tmp).replace(out)
+    print(f"checkpoint: {out}")
 
 
 def _run(a) -> int:
@@ -269,9 +308,10 @@ def _run(a) -> int:
     print(f"head: draft vocabulary {len(d2t)}, ffn {head.c.ffn}, layers {list(head.c.target_layers)}, "
           f"~{file_bytes(head, qtype) / 2**20:.1f} MiB of tensors in {qtype.name}")
     tc = TrainConfig(steps=a.steps, lr=a.lr, batch_tokens=a.batch_tokens, max_len=a.max_len, ttt=a.ttt,
-                     seed=a.seed, holdout=a.holdout)
+                     seed=a.seed, holdout=a.holdout, time_limit=a.train_time)
     t1 = time.perf_counter()
-    hist = train(target, head, conv, tc)
+    hist = train(target, head, conv, tc, checkpoint=(lambda h: _checkpoint(a.out, h, a.model, qtype))
+                 if a.checkpoint else None)
     size = write_head(a.out, head, a.model, qtype)
     peak = f", peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if target.device.type == "cuda" else ""
     print(f"wrote {a.out}: {size / 2**20:.1f} MiB; training {time.perf_counter() - t1:.0f} s for "
