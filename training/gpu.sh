@@ -16,13 +16,22 @@
 #                           of replies each; GEN_ARGS: their sources and batch), then training on the data in
 #                           the repo and theirs, STEPS steps (0: none, the data alone); REPO_DATA=0: on theirs
 #                           alone (a run from scratch)
-#   poll                    the logs' last lines
+#   poll                    the logs' last lines; and into $OUT, each once it is whole, what `back` gives: a
+#                           machine lost between two calls (a turn that came late) then loses only what came after
 #   back                    the head (15 MiB parts), the new data and the logs into $OUT
 set -euo pipefail
 M=/tmp/m
 mkdir -p "$M"
 export PYTHONPATH="$PWD/src:$M/site" PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 DATA=training/qwen2.5-coder-1.5b/conversations-*.npz
+back_out() {
+    tar -C "$M" -czf "$OUT/logs.tgz" $(cd "$M" && ls *.log)          # at most 8 files come back
+    for f in "$M"/conv-s*.npz; do [ -f "$f" ] && cp "$f" "$OUT/"; done
+    if [ -f "$M/head.gguf" ]; then
+        sha256sum "$M/head.gguf"; split -b 15M -d -a 1 "$M/head.gguf" "$OUT/head.part"
+    fi
+    ls -l "$OUT"
+}
 case "$1" in
 recv)
     cp ".xfer/p$2" "$M/" && ls -l "$M/p$2" ;;
@@ -60,13 +69,12 @@ EOF
     sleep 2; cat "$M/job.log" ;;
 poll)
     for f in "$M"/gen*.log "$M"/train.log; do [ -f "$f" ] && { echo "== $f"; tail -n "${2:-3}" "$f"; }; done
-    nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
+    nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader || true
+    # the data makers have all ended once training has begun (or the job has); a head is renamed in whole
+    if [ -f "$M/train.log" ] || [ -f "$M/finished" ]; then back_out; fi
     [ -f "$M/finished" ] && echo FINISHED || true ;;
 back)
-    tar -C "$M" -czf "$OUT/logs.tgz" $(cd "$M" && ls *.log)          # at most 8 files come back
-    for f in "$M"/conv-s*.npz; do [ -f "$f" ] && cp "$f" "$OUT/"; done
-    [ -f "$M/head.gguf" ] && { sha256sum "$M/head.gguf"; split -b 15M -d -a 1 "$M/head.gguf" "$OUT/head.part"; }
-    ls -l "$OUT" ;;
+    back_out ;;
 *)
     echo "unknown phase $1" >&2; exit 2 ;;
 esac

@@ -272,11 +272,17 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def _checkpoint(out: str, head: Eagle3Head, model: str, qtype) -> None:
-    """The head as it is now, written next to `out` and renamed over it (a reader never sees half a file)."""
+def _write_whole(out: str, head: Eagle3Head, model: str, qtype) -> int:
+    """The head written next to `out` and renamed over it: a reader (a poll copying it off a lent machine)
+    never sees half a file. -> its size."""
     tmp = f"{out}.part"
-    write_head(tmp, head, model, qtype)
+    size = write_head(tmp, head, model, qtype)
     Path(tmp).replace(out)
+    return size
+
+
+def _checkpoint(out: str, head: Eagle3Head, model: str, qtype) -> None:
+    _write_whole(out, head, model, qtype)
     print(f"checkpoint: {out}")
 
 
@@ -312,7 +318,7 @@ def _run(a) -> int:
     t1 = time.perf_counter()
     hist = train(target, head, conv, tc, checkpoint=(lambda h: _checkpoint(a.out, h, a.model, qtype))
                  if a.checkpoint else None)
-    size = write_head(a.out, head, a.model, qtype)
+    size = _write_whole(a.out, head, a.model, qtype)
     peak = f", peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if target.device.type == "cuda" else ""
     print(f"wrote {a.out}: {size / 2**20:.1f} MiB; training {time.perf_counter() - t1:.0f} s for "
           f"{hist.tokens} tokens ({hist.target_s:.0f} s target, {hist.head_s:.0f} s head){peak}; "
