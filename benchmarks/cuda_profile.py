@@ -2,9 +2,11 @@
 (torch's profiler), how many launches a step is, and a step's wall time eager against replayed from a CUDA graph
 (jllm.cuda.graphs), beside the floor of reading the weights once at the device's copy bandwidth; then a
 prefill (the context's tokens in jllm's chunks, as `jllm bench` times it): its wall time against its kernels'
-GPU time, and those kernels by GPU time.
+GPU time, and those kernels by GPU time; then, with --chunks, a prefill of --sweep tokens in chunks of each
+size, in a cache of `jllm bench`'s 4,096 positions, with prefill attention per query and in tiles (TILED):
+wall and GPU time and the launches of each.
 
-    python benchmarks/cuda_profile.py MODEL.gguf [--context 512] [--rows 1 5]
+    python benchmarks/cuda_profile.py MODEL.gguf [--context 512] [--rows 1 5] [--chunks 256 512 1024]
 """
 
 from __future__ import annotations
@@ -83,14 +85,56 @@ def prefill(m, ctx: torch.Tensor, top: int, reps: int = 5) -> None:
     kernel_table(prof, reps, top, "one prefill")
 
 
+def chunk_sweep(m, n: int, chunks: list[int], positions: int = 4096, reps: int = 5) -> None:
+    """A prefill of n tokens in chunks of each size (more tokens a call: fewer launches and fewer passes of
+    the f16 dequantization of every matrix, more activation memory): wall, GPU time and launches."""
+    from jllm.cuda import attention
+
+    g = torch.Generator().manual_seed(1)
+    ctx = torch.randint(0, 1000, (n,), generator=g).to("cuda")
+    cache = m.new_cache(positions)
+    print(f"\nprefill of {n} tokens in a cache of {positions} positions, by chunk size")
+    print(f"{'attention':>9} {'chunk':>6} {'wall ms':>9} {'tok/s':>9} {'GPU ms':>8} {'launches':>9} {'peak MiB':>9}")
+    for tiled, c in [(t, c) for t in (False, True) for c in chunks]:
+        attention.TILED = tiled
+        def run():
+            cache.truncate(0)
+            for s in range(0, n, c):
+                m.forward(ctx[s:s + c], cache, last_only=True)
+            torch.cuda.synchronize()
+
+        run()
+        torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t)
+        wall = statistics.median(times)
+        peak = torch.cuda.max_memory_allocated() / 2**20
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run()
+        events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        gpu = sum(e.self_device_time_total for e in events) / 1e3
+        print(f"{'tiled' if tiled else 'per query':>9} {c:>6} {wall * 1e3:>9.2f} {n / wall:>9,.0f} {gpu:>8.2f} {sum(e.count for e in events):>9} "
+              f"{peak:>9,.0f}")
+    attention.TILED = True
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 5])
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--chunks", type=int, nargs="*", default=[], help="prefill chunk sizes to sweep")
+    ap.add_argument("--sweep", type=int, default=1024, help="tokens of the chunk sweep's prefill")
+    ap.add_argument("--sweep-only", action="store_true")
     a = ap.parse_args()
-    m = load_model(a.model, "cuda", "blocks", max_positions=a.context + 64, cache_weights=False)
+    m = load_model(a.model, "cuda", "blocks", max_positions=max(a.context + 64, 4096), cache_weights=False)
+    if a.sweep_only:
+        chunk_sweep(m, a.sweep, a.chunks)
+        return
     cache = m.new_cache(a.context + 64)
     g = torch.Generator().manual_seed(0)
     ctx = torch.randint(0, 1000, (a.context,), generator=g).to("cuda")
@@ -118,6 +162,8 @@ def main() -> None:
     m.graphs = graphs
     host_time(m, cache, a.context, a.top)
     prefill(m, ctx, a.top)
+    if a.chunks:
+        chunk_sweep(m, a.sweep, a.chunks)
 
 
 def host_time(m, cache, at: int, top: int, steps: int = 48) -> None:

@@ -70,10 +70,13 @@ def test_a_long_cache_is_split_in_wider_chunks_and_merged_exactly(window):
     assert torch.equal(attention(q[1:].to(DEV), k.to(DEV), v.to(DEV), pos, window, 0.3).cpu(), got[1:])
 
 
+@pytest.mark.parametrize("tiled", [True, False])
 @pytest.mark.parametrize("window", [0, 7])
-def test_a_prefill_sized_call_takes_all_keys_in_one_chunk_and_keeps_each_row_its_own(window):
+def test_a_prefill_sized_call_takes_all_keys_in_one_chunk_and_keeps_each_row_its_own(window, tiled, monkeypatch):
+    from jllm.cuda import attention as mod
     from jllm.cuda.layout import QUERIES
 
+    monkeypatch.setattr(mod, "TILED", tiled)
     g = torch.Generator().manual_seed(21 + window)
     T, H, Hk, hd, max_t, start = QUERIES + 4, 4, 2, 16, 200, 60      # keys cross blocks of 64
     q = torch.randn(T, H, hd, generator=g)
@@ -81,4 +84,27 @@ def test_a_prefill_sized_call_takes_all_keys_in_one_chunk_and_keeps_each_row_its
     got = attention(q.to(DEV), k.to(DEV), v.to(DEV), start, window, 0.3).cpu()
     assert torch.allclose(got.double(), reference(q, k, v, start, window, 0.3), atol=1e-5)
     later = attention(q[3:].to(DEV), k.to(DEV), v.to(DEV), start + 3, window, 0.3).cpu()    # another such call
-    assert torch.equal(later, got[3:])
+    if tiled:                                          # a row's place in its tile may move its last bits
+        assert torch.allclose(later, got[3:], atol=1e-6, rtol=0)
+    else:
+        assert torch.equal(later, got[3:])
+
+
+@pytest.mark.parametrize("window", [0, 40])
+def test_tiles_of_queries_span_calls_of_any_length_and_a_float16_cache(window):
+    """Several tiles of queries (and a last one part full), each row over its own keys whatever tile it falls
+    in: a call shifted by 5 rows gives the same rows to float32 rounding (the products' summing order may
+    move with a row's place in its tile). The cache is float16 as on the blocks path, and its slots past the
+    call's last position hold NaN: no tile may read them."""
+    from jllm.cuda import attention as mod
+
+    g = torch.Generator().manual_seed(31 + window)
+    T, H, Hk, hd, max_t, start = 2 * mod.BLOCK_M + 7, 4, 2, 32, 256, 90
+    q = torch.randn(T, H, hd, generator=g)
+    k = torch.randn(Hk, max_t, hd, generator=g).half()
+    v = torch.randn(Hk, max_t, hd, generator=g).half()
+    k[:, start + T:], v[:, start + T:] = float("nan"), float("nan")
+    got = attention(q.to(DEV), k.to(DEV), v.to(DEV), start, window, 0.2).cpu()
+    assert torch.allclose(got.double(), reference(q, k.float(), v.float(), start, window, 0.2), atol=1e-5)
+    later = attention(q[5:].to(DEV), k.to(DEV), v.to(DEV), start + 5, window, 0.2).cpu()
+    assert torch.allclose(later, got[5:], atol=1e-6, rtol=0) and not later.isnan().any()

@@ -11,10 +11,16 @@ merges the chunks' parts in a fixed order. Nothing in it depends on how many que
 be float16 or float32.
 
 A call of more than QUERIES queries (a prefill's chunk: its matrices already go another way, jllm.cuda.linear)
-has work enough in its queries: there each (query, head) runs over all its keys as one chunk, in one launch of
-each kernel instead of two for every 16 queries (a 256-token chunk of a 28-layer model: 56 launches, not 896;
-eager launches of ~30-70 us each are most of a prefill's time). Such a query's output is then the same whatever
-other queries share its call, among calls of that size; a verify pass (at most 16 rows) is never one.
+has work enough in its queries: there one program takes a tile of BLOCK_M queries of a head over blocks of
+BLOCK_N keys, so that each block of keys and values is read once for the tile, not once for every query (as
+flash attention does), in one launch a layer (a 256-token chunk of a 28-layer model: 28 launches, where the
+16-query path would take 896; eager launches of ~30-70 us each are most of a prefill's time). Its products are
+float32 (`input_precision="ieee"`, no TF32), so a row keeps the reference's accuracy, and a key block past a
+row's own keys adds an exact zero to it; but the products' summing order may move with a row's place in its
+tile, so a prefill row is the same to rounding, not bitwise, whatever shares its call (as a prefill's matrices
+are already: cuBLAS picks its kernels by the call's shape). A verify pass (at most 16 rows) never takes this
+path: exact speculation is untouched. TILED = False runs such calls the
+older way (each (query, head) over all its keys as one chunk), for benchmarks/cuda_profile.py to compare.
 """
 
 from __future__ import annotations
@@ -24,6 +30,9 @@ import triton
 import triton.language as tl
 
 from jllm.cuda.layout import QUERIES, chunk_size, n_chunks
+
+TILED = True
+BLOCK_M, BLOCK_N = 32, 32
 
 
 @triton.jit
@@ -82,6 +91,45 @@ def _attention_combine(part_ptr, ml_ptr, o_ptr, pos_ptr, window, H, NCH, HD: tl.
     tl.store(o_ptr + (t * H + h) * HD + d, out)
 
 
+@triton.jit
+def _attention_tiled(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, T, window, scale, H, GROUP, MAX_T,
+                     HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(tile of BLOCK_M queries, head h): an online softmax over the blocks of keys that any of its queries
+    sees, each query masked to its own keys lo..p. Keys are read only at positions that some query of the
+    tile sees (written ones: a cache's unwritten slots are never touched)."""
+    mb = tl.program_id(0)
+    h = tl.program_id(1)
+    kvh = h // GROUP
+    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < T
+    p = tl.load(pos_ptr + rows, mask=rmask, other=-1).to(tl.int32)          # -1: a padding row, no keys
+    lo = tl.where(window > 0, tl.maximum(p - window + 1, 0), 0)
+    lo_min = tl.min(tl.where(rmask, lo, MAX_T), axis=0)
+    p_max = tl.max(p, axis=0)
+    d = tl.arange(0, HD)
+    q = tl.load(q_ptr + (rows[:, None] * H + h) * HD + d[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, HD), tl.float32)
+    for j0 in range((lo_min // BLOCK_N) * BLOCK_N, p_max + 1, BLOCK_N):     # blocks at multiples of BLOCK_N
+        j = j0 + tl.arange(0, BLOCK_N)
+        seen = (j >= lo_min) & (j <= p_max)
+        base = (kvh * MAX_T + j)[:, None] * HD + d[None, :]
+        k = tl.load(k_ptr + base, mask=seen[:, None], other=0.0).to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        live = (j[None, :] >= lo[:, None]) & (j[None, :] <= p[:, None])
+        s = tl.where(live, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp(m_i - m_new))
+        e = tl.where(live, tl.exp(s - m_new[:, None]), 0.0)
+        v = tl.load(v_ptr + base, mask=seen[:, None], other=0.0).to(tl.float32)
+        l_i = l_i * alpha + tl.sum(e, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(e, v, input_precision="ieee")
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]                          # a padding row: 0, not 0 / 0
+    tl.store(o_ptr + (rows[:, None] * H + h) * HD + d[None, :], out, mask=rmask[:, None])
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int | torch.Tensor, window: int,
               scale: float, block_t: int = 64) -> torch.Tensor:
     """q [T, H, hd]; pos: the queries' positions, int64 [T] on q's device (graph-safe: the caller checks them
@@ -95,12 +143,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int | torc
         if pos + T > max_t:
             raise ValueError(f"positions up to {pos + T - 1} in a cache of {max_t}")
         pos = torch.arange(pos, pos + T, device=q.device)
-    if T > QUERIES:                      # a prefill's chunk: all keys as one chunk, all queries in one launch
+    out = torch.empty(T, H, hd, dtype=torch.float32, device=q.device)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if T > QUERIES and TILED:            # a prefill's chunk: tiles of queries, one launch
+        _attention_tiled[(triton.cdiv(T, BLOCK_M), H)](q, k, v, out, pos, T, window, scale, H, H // hk, max_t,
+                                                       HD=hd, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+        return out.view(T, H * hd)
+    if T > QUERIES:                      # the older way: all keys as one chunk, all queries in one launch
         chunk, nch, per = triton.next_power_of_2(max_t), 1, T
     else:
         chunk, nch, per = chunk_size(max_t), n_chunks(max_t), QUERIES
-    out = torch.empty(T, H, hd, dtype=torch.float32, device=q.device)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     part = torch.empty(min(per, T), H, nch, hd, dtype=torch.float32, device=q.device)
     ml = torch.empty(min(per, T), H, nch, 2, dtype=torch.float32, device=q.device)
     for s in range(0, T, per):           # the chunks' parts of QUERIES queries at a time bound the scratch
