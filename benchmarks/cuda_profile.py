@@ -90,6 +90,7 @@ def chunk_sweep(m, n: int, chunks: list[int], positions: int = 4096, reps: int =
     the f16 dequantization of every matrix, more activation memory): wall, GPU time and launches."""
     from jllm.cuda import attention
 
+    was = attention.TILED
     g = torch.Generator().manual_seed(1)
     ctx = torch.randint(0, 1000, (n,), generator=g).to("cuda")
     cache = m.new_cache(positions)
@@ -118,7 +119,7 @@ def chunk_sweep(m, n: int, chunks: list[int], positions: int = 4096, reps: int =
         gpu = sum(e.self_device_time_total for e in events) / 1e3
         print(f"{'tiled' if tiled else 'per query':>9} {c:>6} {wall * 1e3:>9.2f} {n / wall:>9,.0f} {gpu:>8.2f} {sum(e.count for e in events):>9} "
               f"{peak:>9,.0f}")
-    attention.TILED = True
+    attention.TILED = was
 
 
 def main() -> None:

@@ -91,13 +91,14 @@ def test_a_prefill_sized_call_takes_all_keys_in_one_chunk_and_keeps_each_row_its
 
 
 @pytest.mark.parametrize("window", [0, 40])
-def test_tiles_of_queries_span_calls_of_any_length_and_a_float16_cache(window):
+def test_tiles_of_queries_span_calls_of_any_length_and_a_float16_cache(window, monkeypatch):
     """Several tiles of queries (and a last one part full), each row over its own keys whatever tile it falls
     in: a call shifted by 5 rows gives the same rows to float32 rounding (the products' summing order may
     move with a row's place in its tile). The cache is float16 as on the blocks path, and its slots past the
     call's last position hold NaN: no tile may read them."""
     from jllm.cuda import attention as mod
 
+    monkeypatch.setattr(mod, "TILED", True)
     g = torch.Generator().manual_seed(31 + window)
     T, H, Hk, hd, max_t, start = 2 * mod.BLOCK_M + 7, 4, 2, 32, 256, 90
     q = torch.randn(T, H, hd, generator=g)

@@ -19,8 +19,9 @@ float32 (`input_precision="ieee"`, no TF32), so a row keeps the reference's accu
 row's own keys adds an exact zero to it; but the products' summing order may move with a row's place in its
 tile, so a prefill row is the same to rounding, not bitwise, whatever shares its call (as a prefill's matrices
 are already: cuBLAS picks its kernels by the call's shape). A verify pass (at most 16 rows) never takes this
-path: exact speculation is untouched. TILED = False runs such calls the
-older way (each (query, head) over all its keys as one chunk), for benchmarks/cuda_profile.py to compare.
+path: exact speculation is untouched.
+TILED is off until the tiles are measured on a GPU (they are tested in Triton's interpreter only): such calls
+then run each (query, head) over all its keys as one chunk; benchmarks/cuda_profile.py --chunks times both.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import triton.language as tl
 
 from jllm.cuda.layout import QUERIES, chunk_size, n_chunks
 
-TILED = True
+TILED = False     # the tiles' path for prefill: tested in the interpreter, not yet timed on a GPU
 BLOCK_M, BLOCK_N = 32, 32
 
 
