@@ -480,3 +480,30 @@ def test_batched_decoder_matches_generate_for_llama_and_qwen3(tmp_path, arch):
     rng = np.random.default_rng(5)
     prompts = [rng.integers(5, tg.cfg.vocab_size, size=n).tolist() for n in (4, 9, 2)]
     assert tg.generate(prompts, 16, sample=False) == tg.hf_generate(prompts, 16)
+
+
+def test_a_run_can_start_from_a_written_head(target, tmp_path):
+    """--init: every tensor comes back from the file, the output rows through both draft vocabularies (a
+    target id in both takes the file's row, a new one keeps the target's row); a head of another shape is
+    refused in one line naming what differs."""
+    from jllm.errors import JllmError
+    from jllm.train.head import init_from_head
+
+    tg, _, d = target
+    torch.manual_seed(3)
+    old = new_head(tg, np.arange(0, 120, dtype=np.int64), ffn=96)
+    with torch.no_grad():
+        for p in old.parameters():
+            p.add_(torch.randn_like(p) * 0.1)           # not the target's rows any more
+    path = tmp_path / "old.gguf"
+    write_head(path, old, str(d / "target.gguf"), gguf.GGMLQuantizationType.F32)
+
+    d2t = np.arange(60, 200, dtype=np.int64)             # ids 60..119 in both, 120..199 new
+    fresh = new_head(tg, d2t, ffn=96)
+    assert init_from_head(fresh, path) == 60
+    assert torch.equal(fresh.fc.weight, old.fc.weight) and torch.equal(fresh.down.weight, old.down.weight)
+    assert torch.equal(fresh.hidden_norm, old.hidden_norm)
+    assert torch.equal(fresh.lm_head.weight[:60], old.lm_head.weight[60:120])
+    assert torch.equal(fresh.lm_head.weight[60:], tg.lm_head[torch.arange(120, 200)].to(fresh.lm_head.weight))
+    with pytest.raises(JllmError, match=r"^--init old.gguf: its ffn is 96, this head's 64$"):
+        init_from_head(new_head(tg, d2t, ffn=64), path)

@@ -10,6 +10,8 @@
 # Files in /tmp/m stay while the machine is warm: the next call must start < 30 s after one ends, the second
 # one too (the cold start's call is no exception).
 #   recv NN                 keep piece .xfer/pNN
+#   keep FILE               keep .xfer/FILE as $M/FILE (e.g. a head to start from: --init /tmp/m/init.gguf, sent
+#                           in a call of its own, with the data out of the tree)
 #   setup SHA256            join the pieces, check the sum, install the carried gguf wheel (.whl/)
 #   start GEN_S STEPS PROCS [TRAIN ARGS...]
 #                           in a new process session: PROCS data makers (seeds SEED_BASE+1.., GEN_S seconds
@@ -35,6 +37,8 @@ back_out() {
 case "$1" in
 recv)
     cp ".xfer/p$2" "$M/" && ls -l "$M/p$2" ;;
+keep)
+    cp ".xfer/$2" "$M/$2" && sha256sum "$M/$2" ;;
 setup)
     # the pieces stay until the sum is right: a piece lost with a machine that went cold is sent again
     cat "$M"/p?? > "$M/t.gguf"

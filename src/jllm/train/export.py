@@ -33,14 +33,18 @@ _FILE_TYPE = {Q.F32: gguf.LlamaFileType.ALL_F32, Q.F16: gguf.LlamaFileType.MOSTL
               Q.Q5_0: gguf.LlamaFileType.MOSTLY_Q5_0, Q.Q5_1: gguf.LlamaFileType.MOSTLY_Q5_1}
 
 
+def head_params(head: Eagle3Head) -> dict[str, torch.nn.Parameter]:
+    """GGUF name -> the head's parameter ([out, in] for matrices), in file order."""
+    return {fmt.FC: head.fc.weight, fmt.OUTPUT_NORM: head.output_norm, fmt.OUTPUT: head.lm_head.weight,
+            fmt.ATTN_NORM: head.attn_norm, fmt.HIDDEN_NORM: head.hidden_norm, fmt.ATTN_Q: head.q.weight,
+            fmt.ATTN_K: head.k.weight, fmt.ATTN_V: head.v.weight, fmt.ATTN_OUT: head.o.weight,
+            fmt.FFN_NORM: head.ffn_norm, fmt.FFN_GATE: head.gate.weight, fmt.FFN_UP: head.up.weight,
+            fmt.FFN_DOWN: head.down.weight}
+
+
 def head_tensors(head: Eagle3Head) -> dict[str, torch.Tensor]:
     """GGUF name -> float32 CPU tensor ([out, in] for matrices), in file order."""
-    t = {fmt.FC: head.fc.weight, fmt.OUTPUT_NORM: head.output_norm, fmt.OUTPUT: head.lm_head.weight,
-         fmt.ATTN_NORM: head.attn_norm, fmt.HIDDEN_NORM: head.hidden_norm, fmt.ATTN_Q: head.q.weight,
-         fmt.ATTN_K: head.k.weight, fmt.ATTN_V: head.v.weight, fmt.ATTN_OUT: head.o.weight,
-         fmt.FFN_NORM: head.ffn_norm, fmt.FFN_GATE: head.gate.weight, fmt.FFN_UP: head.up.weight,
-         fmt.FFN_DOWN: head.down.weight}
-    return {k: v.detach().float().cpu() for k, v in t.items()}
+    return {k: v.detach().float().cpu() for k, v in head_params(head).items()}
 
 
 def file_bytes(head: Eagle3Head, qtype: Q = Q.Q4_0) -> int:

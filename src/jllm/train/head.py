@@ -130,6 +130,51 @@ def lr_factor(step: int, warm: int, prog: float) -> float:
     return min(1.0, (step + 1) / warm) * (0.1 + 0.45 * (1 + math.cos(math.pi * prog)))
 
 
+@torch.no_grad()
+def init_from_head(head: Eagle3Head, path) -> int:
+    """Start from a head file's weights (dequantized) instead of random ones: a new run goes on from an old
+    one. Its shape must be this head's (hidden size, FFN width, heads, target layers and hidden size); its
+    draft vocabulary may differ: a row of this head's output whose target id the file's d2t also has takes the
+    file's row, the others keep the target's (init_from_target). -> how many output rows came from the file."""
+    from jllm.eagle3 import format as fmt
+    from jllm.gguf.quants import dequantize
+    from jllm.gguf.reader import read_gguf
+    from jllm.train.export import head_params
+
+    g = read_gguf(path)
+    old = fmt.read_head_config(g)
+    c = head.c
+    for what in ("hidden", "ffn", "n_heads", "n_kv_heads", "head_dim", "target_hidden", "target_layers"):
+        if getattr(old, what) != getattr(c, what):
+            raise JllmError(f"--init {Path(path).name}: its {what} is {getattr(old, what)}, this head's "
+                            f"{getattr(c, what)}")
+    if not old.own_output:
+        raise JllmError(f"--init {Path(path).name}: it has no output layer of its own")
+
+    def weight(name):
+        t = g.tensors[name]
+        return torch.from_numpy(np.ascontiguousarray(dequantize(g.raw(name), t.ggml_type, t.shape))).float()
+
+    for name, p in head_params(head).items():
+        if name == fmt.OUTPUT:
+            continue
+        w = weight(name)
+        if tuple(w.shape) != tuple(p.shape):
+            raise JllmError(f"--init {Path(path).name}: {name} is {list(w.shape)}, this head's {list(p.shape)}")
+        p.copy_(w.to(p))
+    old_d2t = fmt.read_d2t(g)
+    old_ids = np.arange(old.draft_vocab) if old_d2t is None else old_d2t.cpu().numpy()
+    row_of = {int(t): r for r, t in enumerate(old_ids)}
+    new_ids = head.d2t.cpu().numpy()
+    mine = [r for r, t in enumerate(new_ids) if int(t) in row_of]
+    if mine:
+        out = weight(fmt.OUTPUT)
+        src = torch.tensor([row_of[int(new_ids[r])] for r in mine])
+        head.lm_head.weight[torch.tensor(mine, device=head.lm_head.weight.device)] = \
+            out[src].to(head.lm_head.weight)
+    return len(mine)
+
+
 def train(target: Target, head: Eagle3Head, conv: data_mod.Conversations, tc: TrainConfig,
           log=print, checkpoint=None) -> History:
     """`checkpoint(head)`, if given, is called after each held-out score (the head then in eval mode)."""
@@ -259,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
                     "learning rate then decays over the time, if it ends training before --steps")
     ap.add_argument("--checkpoint", action="store_true", help="write the head to --out at each held-out "
                     "score too (a run cut short still leaves a head)")
+    ap.add_argument("--init", help="a head GGUF to start from (same shape; its output rows are mapped "
+                    "through both draft vocabularies)")
     ap.add_argument("--ttt", type=int, default=TrainConfig.ttt, help="unrolled draft steps")
     ap.add_argument("--qtype", default="Q4_0", help="matrix type in the file (Q4_0, Q8_0, F16, ...)")
     ap.add_argument("--holdout", type=float, default=0.02, help="share of conversations kept out of training "
@@ -310,6 +357,9 @@ def _run(a) -> int:
         return 0
     d2t = data_mod.draft_vocab(conv, target.cfg.vocab_size, a.draft_vocab, always=target.tokenizer.eot_ids)
     head = new_head(target, d2t, a.ffn)
+    if a.init:
+        rows = init_from_head(head, a.init)
+        print(f"head: starts from {a.init} ({rows} of its {len(d2t)} output rows from it, the rest the target's)")
     qtype = getattr(__import__("gguf").GGMLQuantizationType, a.qtype.upper())
     print(f"head: draft vocabulary {len(d2t)}, ffn {head.c.ffn}, layers {list(head.c.target_layers)}, "
           f"~{file_bytes(head, qtype) / 2**20:.1f} MiB of tensors in {qtype.name}")
