@@ -287,6 +287,8 @@ def test_cli_passes_its_arguments_to_the_trainer(capsys, tmp_path):
     with pytest.raises(SystemExit):
         cli.main(["train-head", "--help"])
     assert "--gen-time" in capsys.readouterr().out
+    assert cli.main(["train-head", "-m", "x", "-o", "h.gguf", "--checkpoint", "--holdout", "0"]) == 1
+    assert "--checkpoint writes the head at each held-out score" in capsys.readouterr().err
 
 
 def test_batched_decoder_matches_transformers_generate(target):

@@ -27,10 +27,12 @@ mkdir -p "$M"
 export PYTHONPATH="$PWD/src:$M/site" PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 DATA=training/qwen2.5-coder-1.5b/conversations-*.npz
 back_out() {
-    tar -C "$M" -czf "$OUT/logs.tgz" $(cd "$M" && ls *.log)          # at most 8 files come back
+    # at most 8 files come back; the logs still grow (tar's status 1: a file changed as it was read)
+    tar -C "$M" -czf "$OUT/logs.tgz" --warning=no-file-changed $(cd "$M" && ls *.log) || [ $? -eq 1 ]
     for f in "$M"/conv-s*.npz; do [ -f "$f" ] && cp "$f" "$OUT/"; done
-    if [ -f "$M/head.gguf" ]; then
-        sha256sum "$M/head.gguf"; split -b 15M -d -a 1 "$M/head.gguf" "$OUT/head.part"
+    if [ -f "$M/head.gguf" ]; then                    # one file for the sum and the parts: a checkpoint may land
+        ln -f "$M/head.gguf" "$M/head.snap"
+        sha256sum "$M/head.snap"; split -b 15M -d -a 1 "$M/head.snap" "$OUT/head.part"
     fi
     ls -l "$OUT"
 }
@@ -49,6 +51,7 @@ setup)
 start)
     gen_s=$2 steps=$3 procs=$4; shift 4
     rm -rf "$M/src" "$M/data" && cp -r src "$M/src" && mkdir "$M/data"     # later calls may change the tree
+    rm -f "$M/finished" "$M/train.log" "$M/head.gguf" "$M/head.snap"       # an earlier job's: poll reads them
     [ "${REPO_DATA:-1}" = 0 ] || cp $DATA "$M/data/"
     cat > "$M/job.sh" <<EOF
 set -x

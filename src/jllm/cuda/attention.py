@@ -146,7 +146,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int | torc
         pos = torch.arange(pos, pos + T, device=q.device)
     out = torch.empty(T, H, hd, dtype=torch.float32, device=q.device)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    if T > QUERIES and TILED:            # a prefill's chunk: tiles of queries, one launch
+    if T > QUERIES and TILED and hd >= 16:   # a prefill's chunk: tiles of queries (tl.dot: 16 at least)
         _attention_tiled[(triton.cdiv(T, BLOCK_M), H)](q, k, v, out, pos, T, window, scale, H, H // hk, max_t,
                                                        HD=hd, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
         return out.view(T, H * hd)

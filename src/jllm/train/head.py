@@ -135,7 +135,8 @@ def init_from_head(head: Eagle3Head, path) -> int:
     """Start from a head file's weights (dequantized) instead of random ones: a new run goes on from an old
     one. Its shape must be this head's (hidden size, FFN width, heads, target layers and hidden size); its
     draft vocabulary may differ: a row of this head's output whose target id the file's d2t also has takes the
-    file's row, the others keep the target's (init_from_target). -> how many output rows came from the file."""
+    file's row, the others keep the target's (init_from_target; the output norm is the file's for all rows).
+    Only shapes are checked: the file must be a head for this target. -> how many output rows came from it."""
     from jllm.eagle3 import format as fmt
     from jllm.gguf.quants import dequantize
     from jllm.gguf.reader import read_gguf
@@ -150,6 +151,8 @@ def init_from_head(head: Eagle3Head, path) -> int:
                             f"{getattr(c, what)}")
     if not old.own_output:
         raise JllmError(f"--init {Path(path).name}: it has no output layer of its own")
+    if old.norm_before_fc or old.norm_before_residual:
+        raise JllmError(f"--init {Path(path).name}: it norms before fc or the residual, which this head does not")
 
     def weight(name):
         t = g.tensors[name]
@@ -303,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--train-time", type=float, default=None, help="seconds at most for training: the "
                     "learning rate then decays over the time, if it ends training before --steps")
     ap.add_argument("--checkpoint", action="store_true", help="write the head to --out at each held-out "
-                    "score too (a run cut short still leaves a head)")
+                    "score too (a run cut short still leaves a head; needs --holdout > 0)")
     ap.add_argument("--init", help="a head GGUF to start from (same shape; its output rows are mapped "
                     "through both draft vocabularies)")
     ap.add_argument("--ttt", type=int, default=TrainConfig.ttt, help="unrolled draft steps")
@@ -335,6 +338,8 @@ def _checkpoint(out: str, head: Eagle3Head, model: str, qtype) -> None:
 
 def _run(a) -> int:
     t0 = time.perf_counter()
+    if a.checkpoint and not a.holdout:
+        raise JllmError("--checkpoint writes the head at each held-out score: it needs --holdout > 0")
     a.model = str(resolve(a.model))
     target = load_target(a.model, a.device)
     print(f"target: {Path(a.model).name}, {target.cfg.n_layers} layers, hidden {target.cfg.hidden}, "
