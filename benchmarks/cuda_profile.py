@@ -48,7 +48,7 @@ def step_ms(m, cache, ids: torch.Tensor, at: int, reps: int = 50) -> float:
 
 def kernel_table(prof, per: int, top: int, what: str) -> None:
     """The profiled CUDA kernels by GPU time, over `per` repetitions of `what`."""
-    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    events = cuda_events(prof)
     total = sum(e.self_device_time_total for e in events) / per
     launches = sum(e.count for e in events) / per
     print(f"\n{what}: {launches:.0f} kernel launches, {total / 1e3:.3f} ms of GPU time")
@@ -58,25 +58,37 @@ def kernel_table(prof, per: int, top: int, what: str) -> None:
         print(f"{e.key[:70]:<70} {e.count / per:>6.0f} {us:>9.1f} {us / total:>6.1%}")
 
 
-def prefill(m, ctx: torch.Tensor, top: int, reps: int = 5) -> None:
-    """A prefill of ctx in jllm.sequence's chunks, eager (more rows than the graphs take): wall against GPU."""
-    from jllm.sequence import PREFILL_CHUNK
-
-    cache = m.new_cache(ctx.shape[0] + 64)
-
+def prefill_runner(m, ctx: torch.Tensor, cache, chunk: int):
+    """-> run(): a prefill of ctx from an empty cache in calls of `chunk` tokens, waited for."""
     def run():
         cache.truncate(0)
-        for s in range(0, ctx.shape[0], PREFILL_CHUNK):
-            m.forward(ctx[s:s + PREFILL_CHUNK], cache, last_only=True)
+        for s in range(0, ctx.shape[0], chunk):
+            m.forward(ctx[s:s + chunk], cache, last_only=True)
         torch.cuda.synchronize()
+    return run
 
+
+def median_wall(run, reps: int) -> float:
+    """Seconds of run()'s median over `reps` runs, after one to warm up."""
     run()
     times = []
     for _ in range(reps):
         t = time.perf_counter()
         run()
         times.append(time.perf_counter() - t)
-    wall = statistics.median(times)
+    return statistics.median(times)
+
+
+def cuda_events(prof) -> list:
+    return [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def prefill(m, ctx: torch.Tensor, top: int, reps: int = 5) -> None:
+    """A prefill of ctx in jllm.sequence's chunks, eager (more rows than the graphs take): wall against GPU."""
+    from jllm.sequence import PREFILL_CHUNK
+
+    run = prefill_runner(m, ctx, m.new_cache(ctx.shape[0] + 64), PREFILL_CHUNK)
+    wall = median_wall(run, reps)
     print(f"\nprefill of {ctx.shape[0]} tokens in chunks of {PREFILL_CHUNK}: {wall * 1e3:.2f} ms "
           f"({ctx.shape[0] / wall:,.0f} tok/s)")
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -96,30 +108,21 @@ def chunk_sweep(m, n: int, chunks: list[int], positions: int = 4096, reps: int =
     cache = m.new_cache(positions)
     print(f"\nprefill of {n} tokens in a cache of {positions} positions, by chunk size")
     print(f"{'attention':>9} {'chunk':>6} {'wall ms':>9} {'tok/s':>9} {'GPU ms':>8} {'launches':>9} {'peak MiB':>9}")
-    for tiled, c in [(t, c) for t in (False, True) for c in chunks]:
-        attention.TILED = tiled
-        def run():
-            cache.truncate(0)
-            for s in range(0, n, c):
-                m.forward(ctx[s:s + c], cache, last_only=True)
-            torch.cuda.synchronize()
-
-        run()
-        torch.cuda.reset_peak_memory_stats()
-        times = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - t)
-        wall = statistics.median(times)
-        peak = torch.cuda.max_memory_allocated() / 2**20
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            run()
-        events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-        gpu = sum(e.self_device_time_total for e in events) / 1e3
-        print(f"{'tiled' if tiled else 'per query':>9} {c:>6} {wall * 1e3:>9.2f} {n / wall:>9,.0f} {gpu:>8.2f} {sum(e.count for e in events):>9} "
-              f"{peak:>9,.0f}")
-    attention.TILED = was
+    try:
+        for tiled, c in [(t, c) for t in (False, True) for c in chunks]:
+            attention.TILED = tiled
+            run = prefill_runner(m, ctx, cache, c)
+            torch.cuda.reset_peak_memory_stats()
+            wall = median_wall(run, reps)
+            peak = torch.cuda.max_memory_allocated() / 2**20
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                run()
+            events = cuda_events(prof)
+            gpu = sum(e.self_device_time_total for e in events) / 1e3
+            print(f"{'tiled' if tiled else 'per query':>9} {c:>6} {wall * 1e3:>9.2f} {n / wall:>9,.0f} {gpu:>8.2f} "
+                  f"{sum(e.count for e in events):>9} {peak:>9,.0f}")
+    finally:
+        attention.TILED = was
 
 
 def main() -> None:

@@ -156,7 +156,7 @@ def init_from_head(head: Eagle3Head, path) -> int:
 
     def weight(name):
         t = g.tensors[name]
-        return torch.from_numpy(np.ascontiguousarray(dequantize(g.raw(name), t.ggml_type, t.shape))).float()
+        return dequantize(g.raw(name), t.ggml_type, t.shape)                  # float32, [out, in]
 
     for name, p in head_params(head).items():
         if name == fmt.OUTPUT:
@@ -208,7 +208,7 @@ def train(target: Target, head: Eagle3Head, conv: data_mod.Conversations, tc: Tr
         prog = progress(step, tc.steps, time.perf_counter() - t_start, tc.time_limit)
         if prog >= 1.0:
             log(f"step {step}/{tc.steps}: the time limit of {tc.time_limit:.0f} s ends training")
-            if held_batches:
+            if held_batches and not (hist.held_acc and hist.held_acc[-1][0] == step):    # not scored yet
                 score(step)
             break
         for g in opt.param_groups:
