@@ -3,10 +3,10 @@
 (jllm.cuda.graphs), beside the floor of reading the weights once at the device's copy bandwidth; then a
 prefill (the context's tokens in jllm's chunks, as `jllm bench` times it): its wall time against its kernels'
 GPU time, and those kernels by GPU time; then, with --chunks, a prefill of --sweep tokens in chunks of each
-size, in a cache of `jllm bench`'s 4,096 positions, with prefill attention per query and in tiles (TILED):
-wall and GPU time and the launches of each.
+size, in a cache of `jllm bench`'s 4,096 positions, eager and from the prefill graphs (--tiled: also with the
+tiled prefill attention): wall and GPU time and the launches of each.
 
-    python benchmarks/cuda_profile.py MODEL.gguf [--context 512] [--rows 1 5] [--chunks 256 512 1024]
+    python benchmarks/cuda_profile.py MODEL.gguf [--context 512] [--rows 1 5] [--chunks 256 512 1024] [--tiled]
 """
 
 from __future__ import annotations
@@ -84,33 +84,42 @@ def cuda_events(prof) -> list:
 
 
 def prefill(m, ctx: torch.Tensor, top: int, reps: int = 5) -> None:
-    """A prefill of ctx in jllm.sequence's chunks, eager (more rows than the graphs take): wall against GPU."""
-    from jllm.sequence import PREFILL_CHUNK
-
-    run = prefill_runner(m, ctx, m.new_cache(ctx.shape[0] + 64), PREFILL_CHUNK)
-    wall = median_wall(run, reps)
-    print(f"\nprefill of {ctx.shape[0]} tokens in chunks of {PREFILL_CHUNK}: {wall * 1e3:.2f} ms "
-          f"({ctx.shape[0] / wall:,.0f} tok/s)")
+    """A prefill of ctx in the model's chunks (m.prefill_chunk), eager and from the prefill graphs: wall time,
+    and the eager pass's kernels by GPU time."""
+    graphs = m.prefill_graphs
+    run = prefill_runner(m, ctx, m.new_cache(ctx.shape[0] + 64), m.prefill_chunk)
+    for label, use in (("eager", None), ("graphs", graphs)):
+        if label == "graphs" and use is None:
+            continue
+        m.prefill_graphs = use
+        wall = median_wall(run, reps)
+        print(f"\nprefill of {ctx.shape[0]} tokens in chunks of {m.prefill_chunk}, {label}: {wall * 1e3:.2f} ms "
+              f"({ctx.shape[0] / wall:,.0f} tok/s)")
+    m.prefill_graphs = None
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             run()
-    kernel_table(prof, reps, top, "one prefill")
+    m.prefill_graphs = graphs
+    kernel_table(prof, reps, top, "one eager prefill")
 
 
-def chunk_sweep(m, n: int, chunks: list[int], positions: int = 4096, reps: int = 5) -> None:
+def chunk_sweep(m, n: int, chunks: list[int], positions: int = 4096, reps: int = 5, tiled: bool = False) -> None:
     """A prefill of n tokens in chunks of each size (more tokens a call: fewer launches and fewer passes of
-    the f16 dequantization of every matrix, more activation memory): wall, GPU time and launches."""
+    the f16 dequantization of every matrix, more activation memory), eager and from the prefill graphs (and
+    eager with the tiled attention, TILED, if asked): wall, GPU time and launches."""
     from jllm.cuda import attention
 
-    was = attention.TILED
+    was, graphs = attention.TILED, m.prefill_graphs
     g = torch.Generator().manual_seed(1)
     ctx = torch.randint(0, 1000, (n,), generator=g).to("cuda")
     cache = m.new_cache(positions)
     print(f"\nprefill of {n} tokens in a cache of {positions} positions, by chunk size")
-    print(f"{'attention':>9} {'chunk':>6} {'wall ms':>9} {'tok/s':>9} {'GPU ms':>8} {'launches':>9} {'peak MiB':>9}")
+    print(f"{'pass':>9} {'chunk':>6} {'wall ms':>9} {'tok/s':>9} {'GPU ms':>8} {'launches':>9} {'peak MiB':>9}")
+    modes = ["eager"] + (["graphs"] if graphs is not None else []) + (["tiled"] if tiled else [])
     try:
-        for tiled, c in [(t, c) for t in (False, True) for c in chunks]:
-            attention.TILED = tiled
+        for mode, c in [(mode, c) for mode in modes for c in chunks]:
+            attention.TILED = mode == "tiled"
+            m.prefill_graphs = graphs if mode == "graphs" else None
             run = prefill_runner(m, ctx, cache, c)
             torch.cuda.reset_peak_memory_stats()
             wall = median_wall(run, reps)
@@ -119,10 +128,10 @@ def chunk_sweep(m, n: int, chunks: list[int], positions: int = 4096, reps: int =
                 run()
             events = cuda_events(prof)
             gpu = sum(e.self_device_time_total for e in events) / 1e3
-            print(f"{'tiled' if tiled else 'per query':>9} {c:>6} {wall * 1e3:>9.2f} {n / wall:>9,.0f} {gpu:>8.2f} "
+            print(f"{mode:>9} {c:>6} {wall * 1e3:>9.2f} {n / wall:>9,.0f} {gpu:>8.2f} "
                   f"{sum(e.count for e in events):>9} {peak:>9,.0f}")
     finally:
-        attention.TILED = was
+        attention.TILED, m.prefill_graphs = was, graphs
 
 
 def main() -> None:
@@ -134,10 +143,11 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, nargs="*", default=[], help="prefill chunk sizes to sweep")
     ap.add_argument("--sweep", type=int, default=1024, help="tokens of the chunk sweep's prefill")
     ap.add_argument("--sweep-only", action="store_true")
+    ap.add_argument("--tiled", action="store_true", help="the sweep also with the tiled prefill attention")
     a = ap.parse_args()
     m = load_model(a.model, "cuda", "blocks", max_positions=max(a.context + 64, 4096), cache_weights=False)
     if a.sweep_only:
-        chunk_sweep(m, a.sweep, a.chunks)
+        chunk_sweep(m, a.sweep, a.chunks, tiled=a.tiled)
         return
     cache = m.new_cache(a.context + 64)
     g = torch.Generator().manual_seed(0)
@@ -167,7 +177,7 @@ def main() -> None:
     host_time(m, cache, a.context, a.top)
     prefill(m, ctx, a.top)
     if a.chunks:
-        chunk_sweep(m, a.sweep, a.chunks)
+        chunk_sweep(m, a.sweep, a.chunks, tiled=a.tiled)
 
 
 def host_time(m, cache, at: int, top: int, steps: int = 48) -> None:

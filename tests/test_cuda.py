@@ -88,6 +88,41 @@ def test_blocks_graph_replays_are_the_eager_pass_bitwise(tmp_path):
         assert torch.equal(m.forward(ids[t:t + 1], cache)[0], g_verify[0][t - 30])
 
 
+def test_prefill_chunks_replay_from_graphs_as_the_eager_pass(tmp_path):
+    """A prefill chunk runs as a padded graph (PrefillGraphs): captured once per bucket and cache, replayed
+    after, its logits and captured features the eager unpadded pass's (bit for bit: Q8_0's products are row
+    by row), and the decode steps after it the same; where the padding would pass the cache's end, eager."""
+    _, m = _blocks_model(tmp_path)
+    pg = m.prefill_graphs
+    assert pg is not None and m.prefill_chunk == 1024
+    ids = torch.arange(3, 60, device="cuda")
+    capture = (1, m.cfg.n_layers)
+
+    def run(cache):
+        m.forward(ids[:4], cache)
+        logits = m.forward(ids[4:21], cache, last_only=True)                  # 17 rows: bucket 32
+        cache.truncate(4)
+        again = m.forward(ids[4:21], cache, last_only=True)
+        cache.truncate(4)
+        feats = m.forward(ids[4:21], cache, last_only=True, capture=capture)
+        steps = [m.forward(ids[t:t + 1], cache)[0] for t in range(21, 24)]
+        return logits, again, feats, steps
+
+    m.prefill_graphs = None
+    want = run(m.new_cache(64))
+    m.prefill_graphs = pg
+    cache = m.new_cache(64)
+    got = run(cache)
+    assert pg.count() == 2                                     # (32, no capture) and (32, capture)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[0])
+    assert all(torch.equal(a, b) for a, b in zip(got[2], want[2]))
+    assert all(torch.equal(a, b) for a, b in zip(got[3], want[3]))
+    short = m.new_cache(24)                                    # 4 + 32 > 24: no bucket fits, eager
+    m.forward(ids[:4], short)
+    assert torch.equal(m.forward(ids[4:21], short, last_only=True), want[0]) and short.length == 21
+    assert pg.count() == 2
+
+
 def test_blocks_speculative_greedy_is_plain_greedy_on_the_gpu(tmp_path):
     from jllm.spec.config import SpecConfig
 

@@ -228,6 +228,35 @@ def test_blocks_model_batched_pass_is_single_steps_bitwise(tmp_path):
         assert torch.equal(m.forward(ids[t:t + 1], cache)[0], batched[t])
 
 
+def test_a_padded_prefill_chunk_gives_the_unpadded_chunks_logits_and_features(tmp_path):
+    """The prefill graphs' body (cuda/graphs.py, PrefillGraphs) over a chunk padded to its bucket: the last real
+    row's logits and the captured layers' inputs of the real rows are the unpadded pass's (bit for bit where
+    every product is row by row, as here: Q8_0 has no f16 path), and the real positions' keys are the same."""
+    from jllm.cuda.graphs import bucket
+    from jllm.model.loader import load_model
+    from synthetic import write_tiny_model
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_model(path, "qwen2", qtype=T.Q8_0)
+    m = load_model(path, device=DEV, precision="blocks", cache_weights=False)
+    ids = torch.arange(3, 3 + 21, device=DEV)                  # after 4 held tokens: 17 rows, padded to 32
+    capture = (1, m.cfg.n_layers)
+    plain, padded = m.new_cache(64), m.new_cache(64)
+    for cache in (plain, padded):
+        m.forward(ids[:4], cache)
+    want, want_hidden = m.forward(ids[4:], plain, last_only=True, capture=capture)
+    n, b = 17, bucket(17)
+    assert b == 32
+    x = m.w.embed(ids[4:]).float()
+    x = torch.cat([x, x[-1:].expand(b - n, -1)])
+    pos = torch.arange(4, 4 + b, device=DEV)
+    got, hidden = m._prefill_body(x, padded, pos, torch.tensor([n - 1], device=DEV), capture)
+    assert got.shape == want.shape == (1, m.cfg.vocab_size) and hidden.shape == (b, want_hidden.shape[1])
+    assert torch.equal(got, want) and torch.equal(hidden[:n], want_hidden)
+    assert torch.equal(padded.k[:, :, :4 + n], plain.k[:, :, :4 + n])
+    assert [bucket(n) for n in (17, 33, 100, 1024, 1025)] == [32, 48, 128, 1024, None]
+
+
 @pytest.mark.parametrize("kind", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
 def test_dequantize_to_f16_matches_the_cpu(kind):
     from jllm.cuda import q4_k, q6_k

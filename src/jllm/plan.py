@@ -41,11 +41,15 @@ class Budget:
 def model_budget(g: GGUFFile, precision: str, ctx: int, output_rows: int | None = None,
                  verify_tokens: int = 9) -> Budget:
     cfg = config_from_gguf(g.metadata, set(g.tensors), str(g.path))
-    kv, scratch = _kv(cfg, ctx, precision), _scratch(cfg, ctx, output_rows, verify_tokens)
+    from jllm.sequence import CUDA_PREFILL_CHUNK, PREFILL_CHUNK
+
+    chunk = min(ctx, CUDA_PREFILL_CHUNK if precision == "blocks" else PREFILL_CHUNK)   # Transformer.prefill_chunk
+    kv, scratch = _kv(cfg, ctx, precision), _scratch(cfg, ctx, output_rows, verify_tokens, chunk)
     if precision in ("native", "native4"):
         return Budget(g.path.name, _native_weights(g, cfg, output_rows, precision == "native4"), kv, scratch)
     if precision == "blocks":
-        return Budget(g.path.name, _blocks_weights(g, cfg, output_rows), kv, scratch + _blocks_scratch(g, cfg, ctx))
+        return Budget(g.path.name, _blocks_weights(g, cfg, output_rows), kv,
+                      scratch + _blocks_scratch(g, cfg, ctx, chunk))
     per = BYTES_PER_WEIGHT[precision]
     scale_bytes = 4 if per == 1 else 0              # int8: one f32 scale per output row
     weights = 0
@@ -90,12 +94,11 @@ def _blocks_weights(g: GGUFFile, cfg, output_rows: int | None) -> int:
     return weights
 
 
-def _blocks_scratch(g: GGUFFile, cfg, ctx: int) -> int:
+def _blocks_scratch(g: GGUFFile, cfg, ctx: int, chunk: int) -> int:
     """What the blocks precision adds to a pass's scratch: the f16 copy of the widest layer matrix that a
     prefill chunk multiplies over (jllm.cuda.linear; q|k|v and gate|up are one part each) and attention's
     per-chunk parts for 16 queries, or a prefill chunk's queries over one chunk each (jllm.cuda.attention)."""
     from jllm.cuda.layout import QUERIES, n_chunks
-    from jllm.sequence import PREFILL_CHUNK
 
     widest = 0
     for i in range(cfg.n_layers):
@@ -103,7 +106,7 @@ def _blocks_scratch(g: GGUFFile, cfg, ctx: int) -> int:
             ts = [g.tensors.get(f"blk.{i}.{n}.weight") for n in names]
             if all(ts):
                 widest = max(widest, sum(t.shape[0] for t in ts) * ts[0].shape[1])
-    parts = max(QUERIES * n_chunks(ctx), min(PREFILL_CHUNK, ctx))
+    parts = max(QUERIES * n_chunks(ctx), chunk)
     return widest * 2 + parts * cfg.n_heads * (cfg.head_dim + 2) * 4
 
 
@@ -114,10 +117,10 @@ def _kv(cfg, ctx: int, precision: str) -> int:
     return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * ctx * size
 
 
-def _scratch(cfg, ctx: int, output_rows: int | None, verify_tokens: int) -> int:
+def _scratch(cfg, ctx: int, output_rows: int | None, verify_tokens: int, chunk: int) -> int:
     vocab = min(cfg.vocab_size, output_rows or cfg.vocab_size)
     return (verify_tokens * vocab * 4                          # logits of a verify pass
-            + 256 * (2 * cfg.ffn + 4 * cfg.hidden) * 4 * 2     # a prefill chunk's activations
+            + chunk * (2 * cfg.ffn + 4 * cfg.hidden) * 4 * 2   # a prefill chunk's activations
             + 2 * ctx * cfg.rope_dim * 4)                      # RoPE tables
 
 

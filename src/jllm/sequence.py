@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-PREFILL_CHUNK = 256     # tokens per prefill call: bounds the activations' memory, costs nothing in speed
+PREFILL_CHUNK = 256     # tokens per prefill call on the CPU: bounds the activations' memory, costs nothing in speed
+CUDA_PREFILL_CHUNK = 1024   # on the GPU: fewer launches and passes over the f16 matrices (BENCHMARKS.md, session 24)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -56,8 +57,9 @@ class Sequence:
         keep = min(common_prefix(self.ids, context), len(context) - 1)
         self.rollback(keep)
         logits = None
-        for s in range(keep, len(context), PREFILL_CHUNK):
-            logits = self.forward(context[s:s + PREFILL_CHUNK], last_only=True)[-1]
+        chunk = getattr(self.model, "prefill_chunk", PREFILL_CHUNK)
+        for s in range(keep, len(context), chunk):
+            logits = self.forward(context[s:s + chunk], last_only=True)[-1]
         self.evaluated = len(context) - keep
         return logits
 

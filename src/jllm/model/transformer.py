@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from jllm.model.config import ModelConfig
 from jllm.model.kv_cache import KVCache, kv_dtype
 from jllm.model.weights import Weights
+from jllm.sequence import CUDA_PREFILL_CHUNK, PREFILL_CHUNK
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -70,11 +71,15 @@ class Transformer:
         # (torch attention, and the exact, int8 and bf16 precisions, which the oracles and comparisons use).
         # Fixed at load: the Python layers read the stack's cache with the same kernels.
         self.kv_dtype = kv_dtype(self.stack is not None or self.block_attention)
-        self.graphs = None
+        self.graphs = self.prefill_graphs = None
         if self.block_attention and device.type == "cuda" and os.environ.get("JLLM_CUDA_GRAPHS", "1") != "0":
-            from jllm.cuda.graphs import StepGraphs
+            from jllm.cuda.graphs import PrefillGraphs, StepGraphs
 
             self.graphs = StepGraphs(self._blocks_body, MATVEC_ROWS)    # the passes that stay row-exact
+            self.prefill_graphs = PrefillGraphs(self._prefill_body, n)  # a prefill's chunks, padded
+        # a prefill's chunk length: the GPU's passes gain from longer chunks (fewer launches, fewer passes over
+        # the dequantized matrices); the CPU's do not, and their activations' memory grows with it
+        self.prefill_chunk = CUDA_PREFILL_CHUNK if self.block_attention and device.type == "cuda" else PREFILL_CHUNK
 
     def _native_stack(self):
         from jllm.model.qlinear import GROUP_BYTES, QLinear
@@ -140,6 +145,11 @@ class Transformer:
             logits = self.graphs.run(x, cache, start)        # decode and verify steps: one graph replay
             cache.length = start + T
             return logits[-1:] if last_only else logits
+        if self.prefill_graphs is not None and last_only and leaf is None and T > self.graphs.max_rows:
+            ran = self.prefill_graphs.run(x, cache, start, tuple(capture) if capture else None)
+            if ran is not None:                              # a prefill's chunk: one replay
+                cache.length = start + T
+                return ran[0] if capture is None else ran
         taken = {} if capture is not None else None
         if self.block_attention:                                  # the GPU's layers (jllm/cuda/layers.py)
             from jllm.cuda.layers import blocks_layers
@@ -158,6 +168,17 @@ class Transformer:
         from jllm.cuda.layers import blocks_layers
 
         return self.w.output(blocks_layers(self, x, cache, pos)[1])
+
+    def _prefill_body(self, x: torch.Tensor, cache: KVCache, pos: torch.Tensor, last: torch.Tensor,
+                      capture: tuple[int, ...] | None):
+        """The blocks precision's pass over a padded prefill chunk: (the logits of row `last` [1, V], the
+        captured layers' inputs [B, F] float32 or None). A CUDA graph's body (cuda/graphs.py, PrefillGraphs)."""
+        from jllm.cuda.layers import blocks_layers
+
+        taken = {} if capture else None
+        _, h = blocks_layers(self, x, cache, pos, taken)
+        logits = self.w.output(h.index_select(0, last))
+        return logits, None if not capture else torch.cat([taken[i] for i in capture], dim=1).float()
 
     def _layers(self, x: torch.Tensor, cache: KVCache, start: int, taken: dict | None = None) -> torch.Tensor:
         """The decoder layers in Python (any device and precision but blocks, jllm/cuda/layers.py; the native
