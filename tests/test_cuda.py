@@ -117,9 +117,15 @@ def test_prefill_chunks_replay_from_graphs_as_the_eager_pass(tmp_path):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[0])
     assert all(torch.equal(a, b) for a, b in zip(got[2], want[2]))
     assert all(torch.equal(a, b) for a, b in zip(got[3], want[3]))
-    short = m.new_cache(24)                                    # 4 + 32 > 24: no bucket fits, eager
-    m.forward(ids[:4], short)
-    assert torch.equal(m.forward(ids[4:21], short, last_only=True), want[0]) and short.length == 21
+    outs = []                                                  # 4 + 32 > 24: no bucket fits, eager
+    for use in (pg, None):                                     # (attention's key chunks follow the cache size)
+        m.prefill_graphs = use
+        short = m.new_cache(24)
+        m.forward(ids[:4], short)
+        outs.append(m.forward(ids[4:21], short, last_only=True))
+        assert short.length == 21
+    m.prefill_graphs = pg
+    assert torch.equal(outs[0], outs[1])
     assert pg.count() == 2
 
 
