@@ -42,7 +42,8 @@ class Sequence:
         self.features = None
         self.features_from = 0
         if self.capture:            # bf16: the head only proposes, and the residual stream's range needs its exponent
-            self.features = torch.zeros(max_tokens, len(self.capture) * model.cfg.hidden, dtype=torch.bfloat16)
+            self.features = torch.zeros(max_tokens, len(self.capture) * model.cfg.hidden, dtype=torch.bfloat16,
+                                        device=model.device)      # where the head runs: the target's device
 
     def __len__(self) -> int:
         return len(self.ids)

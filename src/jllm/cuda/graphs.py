@@ -31,7 +31,9 @@ import torch
 
 
 class StepGraphs:
-    """body(x [T, D], cache, pos [T] int64) -> logits [T, V], run as CUDA graphs for T <= max_rows."""
+    """body(x [T, D], cache, pos [T] int64, capture) -> (logits [T, V], the captured layers' inputs [T, F] or
+    None), run as CUDA graphs for T <= max_rows (one per row count and capture: an EAGLE-3 head's verify
+    passes capture its target layers)."""
 
     def __init__(self, body: Callable, max_rows: int):
         self.body, self.max_rows = body, max_rows
@@ -41,29 +43,31 @@ class StepGraphs:
     def fits(self, rows: int) -> bool:
         return 1 <= rows <= self.max_rows
 
-    def run(self, x: torch.Tensor, cache, start: int) -> torch.Tensor:
-        """The logits of rows x at positions start..start+T-1 (cache.reserve checked them), a fresh tensor."""
+    def run(self, x: torch.Tensor, cache, start: int, capture: tuple[int, ...] | None = None):
+        """(logits, hidden or None) of rows x at positions start..start+T-1 (cache.reserve checked them),
+        fresh tensors."""
         T = x.shape[0]
         per_cache = self._graphs.setdefault(cache, {})
-        captured = per_cache.get(T)
+        captured = per_cache.get((T, capture))
         if captured is None:
-            per_cache[T], out = self._capture(x, cache, start)
+            per_cache[(T, capture)], out = self._capture(x, cache, start, capture)
             return out
         graph, x_in, pos_in, out = captured
         x_in.copy_(x)
         torch.arange(start, start + T, out=pos_in)          # on the device: no copy from the host
         graph.replay()
-        return out.clone()                        # the next replay overwrites `out`; callers may hold logits
+        logits, hidden = out                      # the next replay overwrites them; callers may hold them
+        return logits.clone(), None if hidden is None else hidden.clone()
 
-    def _capture(self, x: torch.Tensor, cache, start: int):
+    def _capture(self, x: torch.Tensor, cache, start: int, capture):
         T = x.shape[0]
         x_in = x.detach().clone()
         pos_in = torch.arange(start, start + T, device=x.device)
-        out = self.body(x_in, cache, pos_in)     # this call's result; compiles the kernels for the capture
+        out = self.body(x_in, cache, pos_in, capture)   # this call's result; compiles the kernels for the capture
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
         with torch.cuda.graph(graph, pool=self.pool):
-            static_out = self.body(x_in, cache, pos_in)       # recorded, not run: the cache is not written twice
+            static_out = self.body(x_in, cache, pos_in, capture)   # recorded, not run: the cache is written once
         return (graph, x_in, pos_in, static_out), out
 
     def count(self) -> int:

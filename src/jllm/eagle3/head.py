@@ -56,14 +56,16 @@ def rope_tables(cfg: HeadConfig, n_pos: int, factors: torch.Tensor | None) -> tu
 class Eagle3Head:
     def __init__(self, cfg: HeadConfig, gguf: GGUFFile, target: Transformer, precision: str | None = None,
                  max_tokens: int | None = None, use_cache: bool = True):
-        if target.device.type != "cpu":
-            raise JllmError("eagle3 heads run on the CPU only for now")
         self.cfg, self.gguf, self.target = cfg, gguf, target
         self.kernels = target.kernels
-        if precision is None:
-            precision = "native4" if self.kernels is not None else "exact"
+        self.device = target.device
+        if precision is None:            # the target's kind of kernels: native on the CPU, the GGUF's blocks on a GPU
+            precision = "native4" if self.kernels is not None else "blocks" if target.block_attention else "exact"
         if precision in NATIVE and self.kernels is None:
             precision = "exact"
+        if precision == "blocks" and not target.block_attention:
+            raise JllmError("an eagle3 head in the blocks precision needs its target in it too")
+        self.blocks = precision == "blocks"
         b = _Builder(gguf, precision, target.device, use_cache)
         self.precision = precision
         self.fc = b.linear([fmt.FC])
@@ -79,9 +81,14 @@ class Eagle3Head:
         self.embed = Embedding(gguf, fmt.TOKEN_EMBD, target.device) if cfg.own_embedding else target.w.embed
         self.d2t = fmt.read_d2t(gguf)
         self._d2t_list = self.d2t.tolist() if self.d2t is not None else None
+        self._d2t_here = self.d2t.to(self.device) if self.d2t is not None else None
         n = max_tokens or target.rope_global[0].shape[0]
-        self.cos, self.sin = rope_tables(cfg, n, b.optional_vector(fmt.ROPE_FREQS))
-        self.cache = KVCache(1, cfg.n_kv_heads, cfg.head_dim, n, dtype=kv_dtype(self.kernels is not None))
+        factors = b.optional_vector(fmt.ROPE_FREQS)
+        cos, sin = rope_tables(cfg, n, None if factors is None else factors.cpu())
+        self.cos, self.sin = cos.to(self.device), sin.to(self.device)
+        # f16 where the target's kernels keep f16 (the native stack, the blocks precision), as the target does
+        half = self.kernels is not None or self.blocks
+        self.cache = KVCache(1, cfg.n_kv_heads, cfg.head_dim, n, dtype=kv_dtype(half), device=self.device)
         if b.writer is not None:
             try:
                 b.writer.commit()
@@ -129,8 +136,8 @@ class Eagle3Head:
         """Draft-vocabulary logits [..., Vd] -> target-vocabulary logits [..., V], -inf where the head has no row."""
         if self.d2t is None:
             return logits
-        out = torch.full((*logits.shape[:-1], self.target.cfg.vocab_size), float("-inf"))
-        out[..., self.d2t] = logits
+        out = torch.full((*logits.shape[:-1], self.target.cfg.vocab_size), float("-inf"), device=logits.device)
+        out[..., self._d2t_here.to(logits.device)] = logits
         return out
 
     @torch.inference_mode()
@@ -183,6 +190,13 @@ class Eagle3Head:
         if k is not None:
             q = k.rope_store(qk[:, :H], qk[:, H:], v, cos, sin, False, c.rope_dim, kc, vc, start)
             a = k.attention(q, kc, vc, start, 0, c.attn_scale)            # [T, qd]
+        elif self.blocks:                   # the target's GPU attention: each query over exactly its keys
+            from jllm.cuda.attention import attention
+
+            qk = apply_rope(qk, cos, sin, False, c.rope_dim)
+            kc[:, start:start + T] = qk[:, H:].transpose(0, 1).to(kc.dtype)
+            vc[:, start:start + T] = v.transpose(0, 1).to(vc.dtype)
+            a = attention(qk[:, :H].contiguous(), kc, vc, start, 0, c.attn_scale)
         else:
             qk = apply_rope(qk, cos, sin, False, c.rope_dim)
             kc[:, start:start + T] = qk[:, H:].transpose(0, 1).to(kc.dtype)
@@ -211,7 +225,7 @@ class Eagle3Head:
         """torch fallback, one query at a time: q [T, H, hd] -> [T, H * hd]."""
         c = self.cfg
         T = q.shape[0]
-        out = torch.empty(T, c.n_heads, c.head_dim)
+        out = torch.empty(T, c.n_heads, c.head_dim, device=q.device)
         for t in range(T):
             p = start + t + 1
             o = F.scaled_dot_product_attention(q[t].reshape(1, c.n_heads, 1, c.head_dim), kc[None, :, :p].float(),

@@ -141,10 +141,11 @@ class Transformer:
                 logits = self.stack.forward(x, cache.k, cache.v, start, last_only, leaf, list(capture), hidden)
             cache.length = start + T
             return logits if capture is None else (logits, hidden)
-        if self.graphs is not None and capture is None and leaf is None and self.graphs.fits(T):
-            logits = self.graphs.run(x, cache, start)        # decode and verify steps: one graph replay
-            cache.length = start + T
-            return logits[-1:] if last_only else logits
+        if self.graphs is not None and leaf is None and self.graphs.fits(T):
+            logits, hidden = self.graphs.run(x, cache, start, tuple(capture) if capture else None)
+            cache.length = start + T                         # decode and verify steps: one graph replay
+            logits = logits[-1:] if last_only else logits
+            return logits if capture is None else (logits, hidden)
         if self.prefill_graphs is not None and last_only and leaf is None and T > self.graphs.max_rows:
             ran = self.prefill_graphs.run(x, cache, start, tuple(capture) if capture else None)
             if ran is not None:                              # a prefill's chunk: one replay
@@ -163,11 +164,14 @@ class Transformer:
             return logits
         return logits, torch.cat([taken[i] for i in capture], dim=1).float()
 
-    def _blocks_body(self, x: torch.Tensor, cache: KVCache, pos: torch.Tensor) -> torch.Tensor:
-        """The blocks precision's pass after the embedding, every row's logits: a CUDA graph's body."""
+    def _blocks_body(self, x: torch.Tensor, cache: KVCache, pos: torch.Tensor, capture: tuple[int, ...] | None):
+        """The blocks precision's pass after the embedding: (every row's logits, the captured layers' inputs
+        [T, F] float32 or None). A CUDA graph's body (cuda/graphs.py, StepGraphs)."""
         from jllm.cuda.layers import blocks_layers
 
-        return self.w.output(blocks_layers(self, x, cache, pos)[1])
+        taken = {} if capture else None
+        logits = self.w.output(blocks_layers(self, x, cache, pos, taken)[1])
+        return logits, None if not capture else torch.cat([taken[i] for i in capture], dim=1).float()
 
     def _prefill_body(self, x: torch.Tensor, cache: KVCache, pos: torch.Tensor, last: torch.Tensor,
                       capture: tuple[int, ...] | None):

@@ -1,0 +1,84 @@
+"""An EAGLE-3 head on the GPU's kernels (the blocks precision, issue 23): its rows independent of the other rows
+of their call, close to the same head in f32, and speculation with it exact. On a machine without CUDA the
+kernels run in Triton's interpreter; without triton (CI's CPU torch) the tests skip."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")          # before triton is imported
+pytest.importorskip("triton", reason="triton is not installed (it comes with torch's CUDA builds)")
+
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+
+from jllm.eagle3.head import Eagle3Head  # noqa: E402
+from jllm.engine import Engine  # noqa: E402
+from jllm.errors import JllmError  # noqa: E402
+from jllm.model.loader import load_model  # noqa: E402
+from jllm.sampling import SamplingParams  # noqa: E402
+from jllm.spec.config import SpecConfig  # noqa: E402
+from synthetic import write_tiny_model  # noqa: E402
+from test_eagle3 import write_head  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cudahead")
+    ref = write_tiny_model(d / "target.gguf", "qwen2", Q.Q8_0)
+    write_head(d / "head.gguf", ref, qtype=Q.Q8_0)
+    return ref, str(d / "target.gguf"), str(d / "head.gguf")
+
+
+def test_a_blocks_head_is_row_exact_and_close_to_the_head_in_f32(files):
+    ref, target_path, head_path = files
+    model = load_model(target_path, device=DEV, precision="blocks", max_positions=64, cache_weights=False)
+    model.graphs = model.prefill_graphs = None             # the eager pass (test_cuda.py replays the graphs)
+    head = Eagle3Head.load(head_path, model, use_cache=False)
+    assert head.precision == "blocks" and head.cache.k.device.type == DEV and head.cache.k.dtype == torch.float16
+    tokens = [5, 77, 260, 9, 130, 41, 3]
+    _, hidden = model.forward(torch.tensor(tokens), model.new_cache(64), capture=head.target_layers)
+    assert hidden.device.type == DEV
+    whole = head.prefill(hidden[:6], tokens[1:7])
+    after = head.step(11, whole.state)
+    assert whole.logits.device.type == DEV
+    head.truncate(0)
+    for p in range(6):                                       # the same positions one row at a time
+        one = head.prefill(hidden[p:p + 1], tokens[p + 1:p + 2])
+    assert torch.equal(one.logits, whole.logits) and torch.equal(one.state, whole.state)
+    assert torch.equal(head.step(11, one.state).logits, after.logits)
+    exact = Eagle3Head.load(head_path, model, precision="exact", use_cache=False)
+    want = exact.prefill(hidden[:6], tokens[1:7])
+    scale = want.logits.abs().max()
+    assert ((whole.logits.float() - want.logits.float()).abs().max() / scale).item() < 2e-2
+    full = head.target_logits(whole.logits)                  # the draft vocabulary's rows at their target ids
+    assert full.device.type == DEV and full.shape[-1] == model.cfg.vocab_size
+    assert torch.equal(full[head._d2t_here], whole.logits)
+
+
+def test_a_blocks_head_needs_a_blocks_target(files):
+    _, target_path, head_path = files
+    model = load_model(target_path, device="cpu", precision="exact", max_positions=64, cache_weights=False)
+    with pytest.raises(JllmError, match="blocks precision needs its target in it too"):
+        Eagle3Head.load(head_path, model, precision="blocks", use_cache=False)
+
+
+def test_speculation_with_a_blocks_head_is_plain_greedy(files, monkeypatch, tmp_path):
+    monkeypatch.setenv("JLLM_CONVERTED_DIR", str(tmp_path / "converted"))
+    from jllm.tokenizer.tokenizer import Tokenizer
+
+    monkeypatch.setattr(Tokenizer, "eot_ids", property(lambda self: frozenset()))   # run the whole budget
+    _, target_path, head_path = files
+    prompt, p = "the cat sat on the mat and the cat sat on the", SamplingParams(max_tokens=12)
+    plain = Engine(target_path, device=DEV, precision="blocks", ctx_size=96, threads=1)
+    spec = Engine(target_path, device=DEV, precision="blocks", ctx_size=96, threads=1, draft_path=head_path,
+                  spec=SpecConfig(mode="draft", p_min=0.0, cost_stop=False))
+    assert spec.head is not None and spec.head.precision == "blocks"
+    assert spec.target.features.device.type == DEV
+    want = plain.generate(prompt, p).token_ids
+    out = spec.generate(prompt, p)
+    assert out.token_ids == want and len(want) == 12
+    assert out.spec_stats.as_dict()["by_proposer"]["head"]["drafted"] > 0
