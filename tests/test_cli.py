@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from gguf import GGMLQuantizationType
 from synthetic import write_tiny_model
 
@@ -430,3 +431,28 @@ def test_chat_and_serve_use_the_shipped_head_for_its_target(tmp_path, monkeypatc
     made.clear()
     cli._engine(cli.build_parser().parse_args(["generate", "-m", str(target), "-p", "hi"]))
     assert made["draft_path"] is None
+
+
+@pytest.mark.parametrize("args, default, want_head", [
+    ([], "blocks", True),                               # a GPU's default where triton is: the head's kernels
+    ([], "bf16", False),                                # no triton: no head by default
+    (["--precision", "bf16"], "blocks", False),
+    (["--precision", "blocks"], "bf16", True),
+])
+def test_on_a_gpu_the_shipped_head_drafts_in_the_blocks_precision(tmp_path, monkeypatch, args, default,
+                                                                  want_head):
+    import jllm.engine
+    import jllm.model.loader as loader
+    from jllm import catalog, cli
+
+    target = tmp_path / ALIASES["qwen2.5-coder-1.5b"].file_name
+    target.write_bytes(b"GGUF")
+    made = {}
+    monkeypatch.setattr(jllm.engine, "Engine", lambda *a, **kw: made.update(kw))
+    monkeypatch.delenv("JLLM_SPEC_DECODE", raising=False)
+    monkeypatch.setattr(loader, "resolve_device", lambda d: torch.device("cuda"))   # no GPU needed: not run
+    monkeypatch.setattr(loader, "default_precision", lambda d: default)
+    a = cli.build_parser().parse_args(["serve", "-m", str(target), "--device", "cuda", *args])
+    cli._engine(a, kv_cache=False, default_head=True)
+    head = str(catalog.resolve("qwen2.5-coder-1.5b-eagle3"))
+    assert made["device"] == "cuda" and made["draft_path"] == (head if want_head else None)

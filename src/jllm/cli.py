@@ -56,8 +56,9 @@ def _params(a: argparse.Namespace):
 
 
 def _engine(a: argparse.Namespace, kv_cache: bool = False, default_head: bool = False):
-    """default_head (chat, serve): with no -md, the head shipped for this target drafts on the CPU (heads run
-    there only), unless --spec or JLLM_SPEC_DECODE turn speculation off or to n-grams."""
+    """default_head (chat, serve): with no -md, the head shipped for this target drafts on the CPU and on a GPU
+    in the blocks precision (the kernels it is made for there), unless --spec or JLLM_SPEC_DECODE turn
+    speculation off or to n-grams."""
     from jllm.engine import Engine
     from jllm.catalog import default_head as head_for, needs_download, resolve
 
@@ -72,9 +73,10 @@ def _engine(a: argparse.Namespace, kv_cache: bool = False, default_head: bool = 
             raise JllmError("--kv-store shares the persistent KV cache between servers; drop --no-kv-cache")
     if default_head and a.draft_model is None and a.spec in (None, "auto", "draft", "draft+ngram") and \
             os.environ.get("JLLM_SPEC_DECODE") != "0":
-        from jllm.model.loader import resolve_device
+        from jllm.model.loader import default_precision, resolve_device
 
-        if resolve_device(a.device).type == "cpu":
+        dev = resolve_device(a.device)
+        if dev.type == "cpu" or (a.precision or default_precision(dev)) == "blocks":
             a.draft_model = head_for(a.model)
     spec = _spec_config(a)
     draft = getattr(a, "draft_model", None) if spec is None or spec.mode != "none" else None   # --spec none: unused
