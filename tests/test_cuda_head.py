@@ -82,3 +82,34 @@ def test_speculation_with_a_blocks_head_is_plain_greedy(files, monkeypatch, tmp_
     out = spec.generate(prompt, p)
     assert out.token_ids == want and len(want) == 12
     assert out.spec_stats.as_dict()["by_proposer"]["head"]["drafted"] > 0
+
+
+def test_the_store_hydrates_the_target_and_the_head_onto_the_device(files, monkeypatch, tmp_path):
+    """A conversation's next turn in a new process (a new engine): its KV state and the head's come back from
+    the persistent store onto the device, only the new tokens are evaluated, and the output is plain greedy."""
+    monkeypatch.setenv("JLLM_CONVERTED_DIR", str(tmp_path / "converted"))
+    from jllm.tokenizer.tokenizer import Tokenizer
+
+    monkeypatch.setattr(Tokenizer, "eot_ids", property(lambda self: frozenset()))
+    _, target_path, head_path = files
+    kv, p = str(tmp_path / "kv"), SamplingParams(max_tokens=6)
+
+    def engine(**kw):
+        return Engine(target_path, device=DEV, precision="blocks", ctx_size=96, threads=1, **kw)
+
+    def spec_engine():
+        return engine(draft_path=head_path, kv_store_dir=kv, spec=SpecConfig(mode="draft", p_min=0.0,
+                                                                             cost_stop=False))
+
+    first = spec_engine()
+    prompt = "the cat sat on the mat"
+    turn1 = first.generate(prompt, p, conv_id="c")
+    first.wait_saves()
+    ids = first.encode(prompt) + turn1.token_ids + first.encode(" and then")
+    again = spec_engine()
+    res = again.generate(ids, p, conv_id="c")
+    n = res.timings.cached_tokens
+    assert n > 0 and again.target.evaluated == len(ids) - n
+    assert again.cache.k.device.type == DEV and again.head.cache.k.device.type == DEV
+    assert again.draft_proposer.paired[:n] == ids[1:n + 1]      # the head's stored positions came back
+    assert res.token_ids == engine().generate(ids, p).token_ids
