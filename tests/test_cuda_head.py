@@ -2,6 +2,7 @@
 of their call, close to the same head in f32, and speculation with it exact. On a machine without CUDA the
 kernels run in Triton's interpreter; without triton (CI's CPU torch) the tests skip."""
 
+import json
 import os
 
 import pytest
@@ -113,3 +114,30 @@ def test_the_store_hydrates_the_target_and_the_head_onto_the_device(files, monke
     assert again.cache.k.device.type == DEV and again.head.cache.k.device.type == DEV
     assert again.draft_proposer.paired[:n] == ids[1:n + 1]      # the head's stored positions came back
     assert res.token_ids == engine().generate(ids, p).token_ids
+
+
+def test_serve_answers_from_the_device_with_the_head(files, monkeypatch, tmp_path):
+    """`jllm serve --device cuda`'s app over an engine on the GPU's kernels with the head: a completion, plain
+    and streamed, is the engine's plain greedy text, drafted by the head."""
+    monkeypatch.setenv("JLLM_CONVERTED_DIR", str(tmp_path / "converted"))
+    from fastapi.testclient import TestClient
+
+    from jllm.server import create_app
+    from jllm.tokenizer.tokenizer import Tokenizer
+
+    monkeypatch.setattr(Tokenizer, "eot_ids", property(lambda self: frozenset()))
+    _, target_path, head_path = files
+    prompt = "the cat sat on the mat"
+    want = Engine(target_path, device=DEV, precision="blocks", ctx_size=96, threads=1).generate(
+        prompt, SamplingParams(max_tokens=6))
+    eng = Engine(target_path, device=DEV, precision="blocks", ctx_size=96, threads=1, draft_path=head_path,
+                 spec=SpecConfig(mode="draft", p_min=0.0, cost_stop=False))
+    with TestClient(create_app(eng, "tiny")) as client:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0}
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want.text and r.json()["usage"]["completion_tokens"] == 6
+        with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+            pieces = [line for line in s.iter_lines() if line.startswith("data: {")]
+        assert "".join(json.loads(p[6:])["choices"][0]["text"] for p in pieces) == want.text
+    assert eng.head is not None and eng.head.cache.k.device.type == DEV
