@@ -6,6 +6,7 @@ import torch
 
 from cuda_checks import cuda_vs_cpu_exact
 from jllm.engine import Engine
+from jllm.sequence import CUDA_PREFILL_CHUNK
 from jllm.sampling import SamplingParams
 from synthetic import write_tiny_model
 
@@ -94,7 +95,7 @@ def test_prefill_chunks_replay_from_graphs_as_the_eager_pass(tmp_path):
     by row), and the decode steps after it the same; where the padding would pass the cache's end, eager."""
     _, m = _blocks_model(tmp_path)
     pg = m.prefill_graphs
-    assert pg is not None and m.prefill_chunk == 1024
+    assert pg is not None and m.prefill_chunk == CUDA_PREFILL_CHUNK
     ids = torch.arange(3, 60, device="cuda")
     capture = (1, m.cfg.n_layers)
 

@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 
 PREFILL_CHUNK = 256     # tokens per prefill call on the CPU: bounds the activations' memory, costs nothing in speed
-CUDA_PREFILL_CHUNK = 1024   # on the GPU: fewer launches and passes over the f16 matrices (BENCHMARKS.md, session 24)
+CUDA_PREFILL_CHUNK = 512    # on the GPU: fewer launches and passes over the f16 matrices; 1,024 would put a
+                            # Qwen3-4B past the 3.5 GB of the origin document's budget (BENCHMARKS.md, session 24)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
