@@ -129,3 +129,43 @@ def test_an_always_wrong_head_keeps_the_output(files):
     assert out.token_ids == ref.token_ids
     st = out.spec_stats.as_dict()
     assert st["drafted"] > 0 and st["accepted"] == 0
+
+
+def test_a_head_drafting_trees_keeps_the_output(files):
+    """tree_width 3: the head drafts trees (several branches a depth in one batched step); the output is plain
+    decoding's, and the target's captured states, which tree rows computed and keep() moved, are those of a
+    prefill of the same tokens (the head's next catch-up reads them)."""
+    p = SamplingParams(max_tokens=64)
+    ref = engine(files["target"], mode="none").generate(PROMPT, p)
+    eng = Engine(files["target"], ctx_size=256, threads=1, draft_path=files["head"], precision="native",
+                 spec=SpecConfig(mode="draft", p_min=0.0, cost_stop=False, tree_width=3, tree_branches=2,
+                                 tree_nodes=6))
+    out = eng.generate(PROMPT, p)
+    assert out.token_ids == ref.token_ids
+    st = out.spec_stats.as_dict()
+    assert st["tree_rounds"] > 0 and st["drafted"] > 2 * st["rounds"]
+    ids = list(eng.target.ids)
+    fresh = Engine(files["target"], ctx_size=256, threads=1, draft_path=files["head"], precision="native",
+                   spec=SpecConfig(mode="draft"))
+    fresh.target.sync(ids + [0])
+    n = len(ids)
+    assert torch.equal(eng.target.features[:n], fresh.target.features[:n])
+
+
+def test_tree_steps_are_the_chains_steps(files):
+    """Eagle3Head.tree_step on one branch gives the logits and state of step() along the same path."""
+    eng = engine(files["target"], files["head"])
+    head = eng.head
+    ids = eng.encode(PROMPT)
+    eng.target.sync(ids)
+    head.truncate(0)
+    first = head.prefill(eng.target.features[:len(ids) - 1], ids[1:])
+    base = head.length
+    a = head.step(7, first.state)
+    b = head.step(9, a.state)
+    head.truncate(base)
+    la, sa, own_a = head.tree_step([7, 11], torch.stack([first.state, first.state]), [[], []])
+    lb, sb, _ = head.tree_step([9], sa[:1], [[own_a[0]]])
+    assert head.length == base
+    assert torch.allclose(la[0], a.logits, atol=1e-4) and torch.allclose(lb[0], b.logits, atol=1e-4)
+    assert torch.allclose(sb[0], b.state, atol=1e-4)

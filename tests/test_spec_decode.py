@@ -192,8 +192,89 @@ def test_a_side_leaf_computes_what_a_decode_step_of_it_would(paths):
     tree.move(start + len(chain), start + j)
     n = start + j + 1
     assert torch.equal(tree.k[:, :, :n], step.k[:, :, :n]) and torch.equal(tree.v[:, :, :n], step.v[:, :, :n])
-    with pytest.raises(RuntimeError, match="leaf"):
+    with pytest.raises(RuntimeError, match="parent"):
         model.forward(torch.tensor(chain + [alt]), tree, leaf=start - 1)
+
+
+def test_a_tree_computes_what_decode_steps_along_its_paths_would(paths):
+    """The native stack's tree rows: the chain's rows are bitwise those of the pass without them, each tree
+    row's logits those of a decode step at the end of its path, and an accepted path kept by Sequence.keep
+    leaves the cache bitwise as decoding that path would."""
+    from jllm.sequence import Sequence
+
+    eng = engine(paths["target"], precision="native")
+    model = eng.model
+    prefix = eng.encode(PROMPT)
+    chain = [5, 17, 42, 99]                             # rows 0-3
+    extra = [61, 33, 7, 8, 12]                          # rows 4-8
+    parents = [1, 4, 0, 2, 5]                           # 61 after 17, 33 after 61, 7 after 5, 8 after 42, 12 after 33
+    block = chain + extra
+
+    def path(r):
+        out = []
+        while r >= 0:
+            out.append(block[r])
+            r = r - 1 if r < len(chain) else parents[r - len(chain)]
+        return out[::-1]
+
+    def cache_after(ids):
+        cache = model.new_cache(64)
+        model.forward(torch.tensor(ids), cache)
+        return cache
+
+    seq = Sequence(model, 64)
+    seq.sync(prefix + [3])
+    start = len(seq)
+    out = seq.forward(block, tree=parents)
+    assert torch.equal(out[:len(chain)], model.forward(torch.tensor(chain), cache_after(prefix + [3])))
+    for r in range(len(chain), len(block)):
+        p = path(r)
+        step = cache_after(prefix + [3] + p[:-1])
+        assert torch.equal(out[r], model.forward(torch.tensor(p[-1:]), step)[0]), r
+    # keep the path 5 17 61 33 12 (rows 0 1 4 5 8): the cache is that of decoding it
+    seq.keep(start, [5, 17, 61, 33, 12], rows=[0, 1, 4, 5, 8])
+    ref = cache_after(prefix + [3, 5, 17, 61, 33, 12])
+    n = ref.length
+    assert seq.ids == prefix + [3, 5, 17, 61, 33, 12] and seq.cache.length == n
+    assert torch.equal(seq.cache.k[:, :, :n], ref.k[:, :, :n]) and torch.equal(seq.cache.v[:, :, :n], ref.v[:, :, :n])
+    with pytest.raises(ValueError, match="rows"):
+        seq.keep(start, [5, 17], rows=[1, 0])
+    for bad in ([0, 4, 0, 2, 9], [-1, 4, 0, 2, 5]):      # a parent after its row; none
+        with pytest.raises(RuntimeError, match="parent"):
+            model.forward(torch.tensor(block), cache_after(prefix), tree=bad)
+
+
+def test_trees_keep_the_output_and_their_branches_are_taken(paths, monkeypatch, no_end_of_turn):
+    """Rounds whose first chain is wrong from its first token while a branch holds the target's next three:
+    the branch is taken, and the output and the cache stay those of plain decoding."""
+    plain = engine(paths["target"], precision="native")
+    p = SamplingParams(max_tokens=64)
+    ref = plain.generate(PROMPT, p)
+    spec = engine(paths["target"], paths["other"], mode="draft", p_min=0.0, precision="native")
+    n_prompt = len(spec.encode(PROMPT))
+    vocab = spec.model.cfg.vocab_size
+    target_text = ref.token_ids
+
+    def propose(self, context, k, limits):
+        at = len(context) - n_prompt
+        want = target_text[at:at + 3]
+        if len(want) < 3 or k < 3:                     # the budget's end: a chain within it
+            return Proposal(want[:k] or [0], kind="draft", forwards=1, step_s=1e-3)
+        wrong = (want[0] + 1) % vocab
+        # rows: 1 wrong, 2 its child; 3-5 the right branch from the root; 6 a sibling of the right second
+        return Proposal([wrong, want[1], want[0], want[1], want[2], (want[1] + 7) % vocab], kind="draft",
+                        tree=[0, 1, 0, 3, 4, 3], forwards=1, step_s=1e-3)
+
+    monkeypatch.setattr(DraftModelProposer, "propose", propose)
+    monkeypatch.setattr(DraftGate, "choose", lambda self: "draft")
+    out = spec.generate(PROMPT, p)
+    assert len(out.token_ids) == 64 and out.token_ids == ref.token_ids
+    st = out.spec_stats.as_dict()
+    assert st["tree_rounds"] > 0 and st["off_chain"] == 3 * st["tree_rounds"]       # every branch taken, whole
+    assert spec.target.ids == plain.target.ids
+    n = plain.cache.length
+    assert torch.equal(spec.cache.k[:, :, :n], plain.cache.k[:, :, :n])
+    assert torch.equal(spec.cache.v[:, :, :n], plain.cache.v[:, :, :n])
 
 
 def test_side_leaves_keep_the_output_and_are_taken(paths, monkeypatch, no_end_of_turn):

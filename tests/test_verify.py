@@ -174,3 +174,26 @@ def test_shape_errors():
         verify_sampled([1, 2], None, torch.full((2, V), 1 / V), torch.Generator())
     with pytest.raises(ValueError):
         verify_sampled([1, 2], torch.full((3, V), 1 / V), torch.full((3, V), 1 / V), torch.Generator())
+
+
+def test_verify_tree_follows_the_targets_argmax_through_the_branches():
+    from jllm.spec.verify import verify_tree
+
+    V = 10
+
+    def rows(argmaxes):
+        out = torch.zeros(len(argmaxes), V)
+        for i, a in enumerate(argmaxes):
+            out[i, a] = 1.0
+        return out
+
+    # rows: 0 last; 1 d=3 (chain), 2 d=4 (chain); 3 d=5 (sibling of row 1), 4 d=6 (child of row 3)
+    drafts, parents = [3, 4, 5, 6], [0, 1, 0, 3]
+    v = verify_tree(drafts, parents, rows([5, 9, 9, 6, 2]))        # the target goes 5 6 2: the branch
+    assert v.accepted == [5, 6] and v.rows == [3, 4] and v.next == 2
+    v = verify_tree(drafts, parents, rows([3, 4, 8, 0, 0]))        # the chain holds, then the bonus 8
+    assert v.accepted == [3, 4] and v.rows == [1, 2] and v.next == 8
+    v = verify_tree(drafts, parents, rows([7, 0, 0, 0, 0]))        # nothing holds
+    assert v.accepted == [] and v.rows == [] and v.next == 7
+    with pytest.raises(ValueError):
+        verify_tree(drafts, [0, 2, 0, 3], rows([0] * 5))            # a parent after its row

@@ -65,15 +65,20 @@ class Sequence:
         self.evaluated = len(context) - keep
         return logits
 
-    def forward(self, tokens: list[int], last_only: bool = False, leaf: int | None = None) -> torch.Tensor:
+    def forward(self, tokens: list[int], last_only: bool = False, leaf: int | None = None,
+                tree: list[int] | None = None) -> torch.Tensor:
         """Evaluate `tokens` after the held ones and hold them too -> logits [T, vocab] ([1, vocab] with
-        last_only). leaf: see Transformer.forward (the last token is a side leaf of position `leaf`)."""
+        last_only). leaf, tree: see Transformer.forward (the last token is a side leaf of position `leaf`; the
+        last len(tree) tokens are tree rows with these parents). Until keep(), position start + row holds row's
+        token whatever its depth."""
         start = len(self.ids)
         x = torch.tensor(tokens)            # on the host: the embedding looks rows up there (no device sync)
+        extra = {"tree": tree} if tree else {}
         if self.capture is None:
-            logits = self.model.forward(x, self.cache, last_only=last_only, leaf=leaf)
+            logits = self.model.forward(x, self.cache, last_only=last_only, leaf=leaf, **extra)
         else:
-            logits, hidden = self.model.forward(x, self.cache, last_only=last_only, leaf=leaf, capture=self.capture)
+            logits, hidden = self.model.forward(x, self.cache, last_only=last_only, leaf=leaf, capture=self.capture,
+                                                **extra)
             self.features[start:start + len(tokens)] = hidden
         self.ids.extend(tokens)
         return logits
@@ -82,17 +87,23 @@ class Sequence:
         """One decode step -> logits after `token` [vocab]."""
         return self.forward([token])[-1]
 
-    def keep(self, start: int, ids: list[int], moved_from: int | None = None) -> None:
+    def keep(self, start: int, ids: list[int], moved_from: int | None = None, rows: list[int] | None = None) -> None:
         """After a forward over a verify block that began at `start`: positions start.. now hold `ids` (they
         were evaluated there), and everything past them is dropped. moved_from: the last of `ids` is a side
-        leaf whose keys and values were computed at that position; they move into place."""
+        leaf whose keys and values were computed at that position; they move into place. rows: the block rows
+        ids were evaluated in (a tree's accepted path, increasing, rows[j] >= j); each moves to start + j."""
         end = start + len(ids)
         if end > len(self.ids):
             raise ValueError(f"cannot keep {len(ids)} tokens from {start} in a sequence of {len(self.ids)}")
-        if moved_from is not None:
-            self.cache.move(moved_from, end - 1)
+        moves = [] if moved_from is None else [(moved_from, end - 1)]
+        if rows is not None:
+            if len(rows) != len(ids) or any(r < j or start + r >= len(self.ids) for j, r in enumerate(rows)):
+                raise ValueError(f"rows {rows} do not place {len(ids)} tokens of a block at {start}")
+            moves = [(start + r, start + j) for j, r in enumerate(rows) if r != j]
+        for src, dst in moves:              # increasing: a source is never a slot already written (rows[j] >= j)
+            self.cache.move(src, dst)
             if self.features is not None:
-                self.features[end - 1] = self.features[moved_from]
+                self.features[dst] = self.features[src]
         self.cache.truncate(end)
         self.ids[start:] = ids
 

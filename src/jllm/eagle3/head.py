@@ -167,6 +167,58 @@ class Eagle3Head:
         return Step(logits[0], out[0])
 
     @torch.inference_mode()
+    def tree_step(self, tokens: list[int], states: torch.Tensor, paths: list[list[tuple[torch.Tensor, torch.Tensor]]]
+                  ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """One draft step of several branches of a tree at the same depth j >= 1: tokens [W] (target ids' draft
+        rows are not needed: the embedding takes target ids), states [W, D] (each branch's previous output
+        state), paths[w] the keys and values of its j - 1 ancestors' steps (from earlier tree_step calls), in
+        depth order. Row w stands at position length + j - 1 and sees the head's cache (positions
+        0 .. length - 1), its ancestors and itself; the cache's length does not move (its slots past it are
+        scratch). -> (logits [W, Vd], out states [W, D], each row's own (key, value) for its children's paths).
+        The matrices run once for all rows; attention, row by row."""
+        c, kern = self.cfg, self.kernels
+        W, j = len(tokens), len(paths[0]) + 1
+        base = self.cache.length
+        pos = base + j - 1
+        if pos >= self.cos.shape[0]:
+            raise JllmError(f"the eagle3 head's context is full ({self.cos.shape[0]} positions)")
+        if any(len(p) != j - 1 for p in paths) or len(paths) != W:
+            raise ValueError("tree_step: every row's path has the same depth")
+        e = self._norm(self.embed(torch.tensor(tokens, dtype=torch.int64)).contiguous(), self.attn_norm)
+        g = states.float().contiguous()
+        gn = self._norm(g, self.hidden_norm)
+        qkv = self.qkv(torch.cat([e, gn], dim=1))
+        H, Hk, hd = c.n_heads, c.n_kv_heads, c.head_dim
+        qd, kvd = H * hd, Hk * hd
+        qk = qkv[:, :qd + kvd].reshape(W, H + Hk, hd)
+        v = qkv[:, qd + kvd:].reshape(W, Hk, hd)
+        kc, vc = self.cache.k[0], self.cache.v[0]                         # [Hk, L, hd]
+        cos, sin = self.cos[pos:pos + 1], self.sin[pos:pos + 1]
+        a = torch.empty(W, qd, device=qkv.device)
+        own = []
+        for w in range(W):
+            for i, (kp, vp) in enumerate(paths[w]):
+                kc[:, base + i], vc[:, base + i] = kp, vp
+            if kern is not None:
+                q = kern.rope_store(qk[w:w + 1, :H], qk[w:w + 1, H:], v[w:w + 1], cos, sin, False, c.rope_dim, kc, vc,
+                                    pos)
+                a[w] = kern.attention(q, kc, vc, pos, 0, c.attn_scale)[0]
+            else:
+                r = apply_rope(qk[w:w + 1], cos, sin, False, c.rope_dim)
+                kc[:, pos], vc[:, pos] = r[0, H:].to(kc.dtype), v[w].to(vc.dtype)
+                o = F.scaled_dot_product_attention(r[:, :H].reshape(1, H, 1, hd), kc[None, :, :pos + 1].float(),
+                                                   vc[None, :, :pos + 1].float(), scale=c.attn_scale,
+                                                   enable_gqa=H != Hk)
+                a[w] = o.reshape(qd)
+            own.append((kc[:, pos].clone(), vc[:, pos].clone()))
+        h = self.o(a) + (gn if c.norm_before_residual else g)
+        n = self._norm(h, self.ffn_norm)
+        gu = self.gate_up(n)
+        m = self.down(kern.glu(gu, False)) if kern is not None else self.down(F.silu(gu[:, :c.ffn]) * gu[:, c.ffn:])
+        out = h + m
+        return self.output(self._norm(out.contiguous(), self.output_norm)), out, own
+
+    @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, g: torch.Tensor, last_only: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [T], g [T, D] at positions length .. length + T - 1 -> (logits [T or 1, Vd], out [T, D]).

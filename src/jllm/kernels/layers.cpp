@@ -11,6 +11,7 @@
 #include "kernels.h"
 
 #include <algorithm>
+#include <cstring>
 #include <mutex>
 #include <utility>
 #include <vector>
@@ -68,16 +69,18 @@ public:
 
     // x: [T, D] for positions start .. start + T - 1; kc, vc: [layers, Hk, L, hd]. -> logits [T, n] (only the last
     // row's, [1, n], with last_only).
-    // leaf >= 0: the last row is a side leaf of a speculative tree instead, an alternative to the token at
-    // position leaf (start <= leaf < start + T - 1): it has that position and sees the cache before it and
-    // itself, never the rows from leaf on. Its key and value still go to its own slot, start + T - 1. For its
-    // attention they are swapped into slot leaf and back, so it runs on the same keys in the same places as
-    // a decode step of the leaf after the tokens before it: the same bits (its other work is row by row).
+    // tree: the parents of the last tree.size() rows, the rows of a speculative tree (each parent a row before
+    // it in this call); the rows before them are a chain, as without a tree. A tree row stands at the position
+    // of its depth, start + depth (its parent's depth plus one; chain row t has depth t), and sees the cache
+    // before start, its ancestors and itself, never another branch. Its key and value go to its own slot,
+    // start + row. For its attention its ancestors' and its own keys and values are copied into the slots of
+    // their depths, and those slots' own contents put back after, so it runs on the same keys in the same
+    // places as a decode step along its path: the same bits (its other work is row by row).
     // capture (layer ids, each 0 .. layers): cap [T, ids * D] f32 gets, in block j of D columns, the residual
     // stream at the input of layer capture[j] (id == layers: the last layer's output, before the final norm),
     // every row, also with last_only (an EAGLE-3 head reads them). Empty: nothing is copied.
     torch::Tensor forward(torch::Tensor x_in, torch::Tensor kc, torch::Tensor vc, int64_t start, bool last_only,
-                          int64_t leaf, std::vector<int64_t> capture, torch::Tensor cap) {
+                          std::vector<int64_t> tree, std::vector<int64_t> capture, torch::Tensor cap) {
         std::lock_guard<std::mutex> lock(mu);
         TORCH_CHECK(head_norm && !layers.empty(), "the stack needs its layers and head before forward");
         TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == D && x_in.scalar_type() == at::kFloat, "x must be [T, D] f32");
@@ -86,7 +89,14 @@ public:
         const bool half = half_cache(kc, vc);
         const int64_t T = x_in.size(0), L = kc.size(2), qd = H * hd, kvd = Hk * hd, W = qd + 2 * kvd;
         TORCH_CHECK(start >= 0 && start + T <= L, "the cache is full");
-        TORCH_CHECK(leaf < 0 || (T >= 2 && leaf >= start && leaf < start + T - 1), "a leaf's position is one of the chain's");
+        const int64_t Tt = (int64_t)tree.size(), Tc = T - Tt;                        // tree rows, chain rows
+        TORCH_CHECK(Tt == 0 || Tc >= 1, "a tree needs a chain row to grow from");
+        std::vector<int64_t> depth(T), parent(T, -1);
+        for (int64_t t = 0; t < T; ++t) {
+            parent[t] = t < Tc ? t - 1 : tree[t - Tc];
+            TORCH_CHECK(t < Tc || (parent[t] >= 0 && parent[t] < t), "a tree row's parent is a row before it");
+            depth[t] = t < Tc ? t : depth[parent[t]] + 1;
+        }
         for (const Layer& l : layers) TORCH_CHECK(start + T <= l.positions, "past the rotary table");
         const int64_t nc = (int64_t)capture.size();
         for (int64_t id : capture)
@@ -125,17 +135,30 @@ public:
                     rms_norm_raw(qkv + t * W, H, hd, l.q_norm, eps, qkv + t * W);
                     rms_norm_raw(qkv + t * W + qd, Hk, hd, l.k_norm, eps, qkv + t * W + qd);
                 }
-            const int64_t Tc = leaf >= 0 ? T - 1 : T;                                  // the chain's rows
             rope_store_raw(qkv, W, qkv + qd, W, qkv + qd + kvd, W, Tc, H, Hk, hd, l.cos + start * hr,
                            l.sin + start * hr, neox, rope_dim, ki, vi, half, L, start, q);
             attention_raw(q, ki, vi, half, att, Tc, H, Hk, hd, L, start, l.window, attn_scale);
-            if (leaf >= 0) {
-                const float* r = qkv + Tc * W;
-                rope_store_raw(r, W, r + qd, W, r + qd + kvd, W, 1, H, Hk, hd, l.cos + leaf * hr, l.sin + leaf * hr,
-                               neox, rope_dim, ki, vi, half, L, start + Tc, q + Tc * qd);
-                swap_slots(ki, vi, half ? 2 : 4, L, leaf, start + Tc);
-                attention_raw(q + Tc * qd, ki, vi, half, att + Tc * qd, 1, H, Hk, hd, L, leaf, l.window, attn_scale);
-                swap_slots(ki, vi, half ? 2 : 4, L, leaf, start + Tc);
+            for (int64_t r = Tc; r < T; ++r) {                  // tree rows: every key first, then attention
+                const float* x_r = qkv + r * W;
+                const int64_t pos = start + depth[r];
+                rope_store_raw(x_r, W, x_r + qd, W, x_r + qd + kvd, W, 1, H, Hk, hd, l.cos + pos * hr,
+                               l.sin + pos * hr, neox, rope_dim, ki, vi, half, L, start + r, q + r * qd);
+            }
+            for (int64_t r = Tc; r < T; ++r) {
+                // the path's rows off the chain, by depth (each row stands in the slot of its depth)
+                path.clear();
+                for (int64_t a = r; a >= Tc; a = parent[a])
+                    if (a != depth[a]) path.push_back(a);
+                const int64_t n = (int64_t)path.size(), sz = half ? 2 : 4, slot = 2 * Hk * hd * sz;
+                if ((int64_t)tree_buf.size() < 2 * n * slot) tree_buf.resize((size_t)(2 * n * slot));
+                char* moved = tree_buf.data();                  // the path's keys and values, gathered first
+                char* saved = moved + n * slot;                 // what the slots of their depths held
+                for (int64_t j = 0; j < n; ++j) get_slot(ki, vi, sz, L, start + path[j], moved + j * slot);
+                for (int64_t j = 0; j < n; ++j) get_slot(ki, vi, sz, L, start + depth[path[j]], saved + j * slot);
+                for (int64_t j = 0; j < n; ++j) put_slot(ki, vi, sz, L, start + depth[path[j]], moved + j * slot);
+                attention_raw(q + r * qd, ki, vi, half, att + r * qd, 1, H, Hk, hd, L, start + depth[r], l.window,
+                              attn_scale);
+                for (int64_t j = n - 1; j >= 0; --j) put_slot(ki, vi, sz, L, start + depth[path[j]], saved + j * slot);
             }
             qmatmul_raw(att, T, qd, l.o, a, group);
             if (l.post_attn_norm) rms_norm_raw(a, T, D, l.post_attn_norm, eps, a);
@@ -156,12 +179,17 @@ public:
     }
 
 private:
-    // Exchange the keys and values of two positions of one layer's cache ([Hk, L, hd] elements of `size` bytes).
-    void swap_slots(char* k, char* v, int64_t size, int64_t L, int64_t a, int64_t b) const {
+    // The keys and values of one position of one layer's cache ([Hk, L, hd] elements of `size` bytes), every kv
+    // head, to and from buf (2 * Hk * hd elements).
+    void get_slot(const char* k, const char* v, int64_t size, int64_t L, int64_t pos, char* buf) const {
+        const int64_t row = hd * size;
+        for (const char* c : {k, v})
+            for (int64_t h = 0; h < Hk; ++h, buf += row) std::memcpy(buf, c + (h * L + pos) * row, (size_t)row);
+    }
+    void put_slot(char* k, char* v, int64_t size, int64_t L, int64_t pos, const char* buf) const {
         const int64_t row = hd * size;
         for (char* c : {k, v})
-            for (int64_t h = 0; h < Hk; ++h)
-                std::swap_ranges(c + (h * L + a) * row, c + (h * L + a + 1) * row, c + (h * L + b) * row);
+            for (int64_t h = 0; h < Hk; ++h, buf += row) std::memcpy(c + (h * L + pos) * row, buf, (size_t)row);
     }
 
     // n floats starting on a cache line (a vector's own start is 16-byte aligned: the kernels' 64-byte loads
@@ -184,6 +212,8 @@ private:
     const float* head_norm = nullptr;
     std::vector<torch::Tensor> keep;        // the tensors the pointers above point into
     std::vector<float> x_buf, h_buf, qkv_buf, q_buf, att_buf, a_buf, gu_buf, g_buf;
+    std::vector<char> tree_buf;             // a tree row's path: its keys and values, and the slots they stand in
+    std::vector<int64_t> path;
     std::mutex mu;
 };
 
@@ -193,7 +223,7 @@ void register_stack(pybind11::module& m) {
         .def("add_layer", &Stack::add_layer)
         .def("set_head", &Stack::set_head)
         .def("forward", &Stack::forward, pybind11::arg("x"), pybind11::arg("kc"), pybind11::arg("vc"),
-             pybind11::arg("start"), pybind11::arg("last_only") = false, pybind11::arg("leaf") = -1,
+             pybind11::arg("start"), pybind11::arg("last_only") = false, pybind11::arg("tree") = std::vector<int64_t>{},
              pybind11::arg("capture") = std::vector<int64_t>{}, pybind11::arg("cap") = at::empty({0}, at::kFloat),
              pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -109,13 +109,17 @@ class Transformer:
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False,
-                leaf: int | None = None, capture: tuple[int, ...] | None = None):
+                leaf: int | None = None, capture: tuple[int, ...] | None = None, tree: list[int] | None = None):
         """tokens: [T] int64 -> logits [T, vocab] (or [1, vocab] with last_only) float32.
 
         Writes the new tokens' keys and values at cache.length and advances it by T.
         leaf (native stack only): the last token is a side leaf of a speculative tree, an alternative to the
         token at position `leaf`; its logits are those of a decode step of it at that position (see Stack),
         its key and value sit at the last position.
+        tree (native stack only): the parents of the last len(tree) tokens, the rows of a speculative tree (each a
+        row index before it in this call; the rows before them are a chain). A tree row's logits are those of a
+        decode step along its path, at the position of its depth; its key and value sit at its own row's
+        position (Sequence.keep moves an accepted path's into place). `leaf` is the tree of one row.
         capture (layer ids, each 0..n_layers; an EAGLE-3 head's target_layers): return (logits, hidden) with
         hidden [T, len(capture) * hidden] float32, block j the residual stream entering layer capture[j]
         (n_layers: the last layer's output before the final norm), for every row even with last_only.
@@ -123,8 +127,12 @@ class Transformer:
         """
         c, w = self.cfg, self.w
         T = tokens.shape[0]
-        if leaf is not None and self.stack is None:
-            raise ValueError("side leaves need the native layer stack")
+        if leaf is not None:
+            if tree:
+                raise ValueError("a side leaf or a tree, not both")
+            tree = [leaf - cache.length - 1]              # the row of the position before the leaf's
+        if tree and self.stack is None:
+            raise ValueError("side leaves and trees need the native layer stack")
         norm = self.kernels.rms_norm if self.kernels is not None else rms_norm
         start = cache.reserve(T)
         x = w.embed(tokens)                                                   # x: [T, D]
@@ -133,20 +141,20 @@ class Transformer:
         if capture is not None and not all(0 <= i <= c.n_layers for i in capture):
             raise ValueError(f"capture layers {capture} beyond 0..{c.n_layers}")
         if self.stack is not None:                                            # layers, norm, output: one call
-            leaf = -1 if leaf is None else leaf
+            tree = list(tree) if tree else []
             if capture is None:
-                logits = self.stack.forward(x, cache.k, cache.v, start, last_only, leaf)
+                logits = self.stack.forward(x, cache.k, cache.v, start, last_only, tree)
             else:
                 hidden = torch.empty(T, len(capture) * c.hidden)
-                logits = self.stack.forward(x, cache.k, cache.v, start, last_only, leaf, list(capture), hidden)
+                logits = self.stack.forward(x, cache.k, cache.v, start, last_only, tree, list(capture), hidden)
             cache.length = start + T
             return logits if capture is None else (logits, hidden)
-        if self.graphs is not None and leaf is None and self.graphs.fits(T):
+        if self.graphs is not None and not tree and self.graphs.fits(T):
             logits, hidden = self.graphs.run(x, cache, start, tuple(capture) if capture else None)
             cache.length = start + T                         # decode and verify steps: one graph replay
             logits = logits[-1:] if last_only else logits
             return logits if capture is None else (logits, hidden)
-        if self.prefill_graphs is not None and last_only and leaf is None and T > self.graphs.max_rows:
+        if self.prefill_graphs is not None and last_only and not tree and T > self.graphs.max_rows:
             ran = self.prefill_graphs.run(x, cache, start, tuple(capture) if capture else None)
             if ran is not None:                              # a prefill's chunk: one replay
                 cache.length = start + T

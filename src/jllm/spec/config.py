@@ -28,12 +28,19 @@ class SpecConfig:
     cost_stop: bool = True      # the draft also stops where one more token would cost more than it is likely
                                 # to bring, by the verify passes' measured costs (DraftGate.extend_pays)
     ngram_cut: bool = True      # ... and n-gram proposals are cut the same way (with cost_stop)
+    tree_width: int = 0         # greedy with an EAGLE-3 head on the native stack: draft a tree, each expanded
+                                # node's this many best children (0 or 1: a chain), where rows pay for them
+    tree_branches: int = 2      # ... expanding this many nodes a depth (one batched head step)
+    tree_nodes: int = 8         # ... of at most this many nodes (verify rows)
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"speculation mode {self.mode!r} is not one of {', '.join(MODES)}")
         if not 1 <= self.draft_min <= self.draft_max:
             raise ValueError(f"need 1 <= draft_min <= draft_max, got {self.draft_min}, {self.draft_max}")
+        if self.tree_width < 0 or self.tree_branches < 1 or self.tree_nodes < 1:
+            raise ValueError(f"need tree_width >= 0, tree_branches >= 1 and tree_nodes >= 1, got "
+                             f"{self.tree_width}, {self.tree_branches}, {self.tree_nodes}")
 
     def proposers(self, has_draft: bool) -> tuple[bool, bool]:
         """(use the n-gram proposer, use the draft model) for this mode."""

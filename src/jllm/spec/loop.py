@@ -25,7 +25,7 @@ from jllm.spec.config import SpecConfig
 from jllm.spec.policy import DraftGate, ngram_keep, next_length
 from jllm.spec.proposers import Limits, NgramProposer, Proposal
 from jllm.spec.stats import SpecStats
-from jllm.spec.verify import Verdict, verify_block
+from jllm.spec.verify import Verdict, verify_block, verify_tree
 
 
 class SpeculativeDecoder:
@@ -40,6 +40,8 @@ class SpeculativeDecoder:
         self.draft = draft if use_draft else None
         # side leaves are verified by the target's native layer stack (Transformer.forward)
         self.leaves = getattr(target.model, "stack", None) is not None and cfg.leaf_p > 0
+        # and so are trees, which only a head drafts (proposers.draft_tree)
+        self.trees = getattr(target.model, "stack", None) is not None and getattr(self.draft, "kind", "") == "head"
         self.k = {"ngram": cfg.draft_max, "draft": cfg.draft_max}     # each proposer's length limit
         self.ngram_held = [0, 0]      # n-gram tokens accepted, n-gram rounds cut short by a rejection
         self.gate = gate if gate is not None else DraftGate()
@@ -60,13 +62,21 @@ class SpeculativeDecoder:
             room = min(budget - emitted - 1, target.max_tokens - len(target) - 2)
             proposal = self._propose(history, room, params, gen)
             t0 = time.perf_counter()
-            before, leaf = len(target), proposal.leaf
+            before, leaf, tree = len(target), proposal.leaf, proposal.tree
             block = [last] + proposal.tokens + ([leaf[1]] if leaf else [])
-            out = target.forward(block, leaf=before + 1 + leaf[0] if leaf else None)      # [len(block), V]
-            verdict = verify_block(proposal.tokens, proposal.probs, leaf, out, params, history, gen)
+            if tree is not None:                    # greedy only: rows past the first chain are tree rows
+                chain = next((j for j, p in enumerate(tree) if p != j), len(tree))
+                out = target.forward(block, tree=tree[chain:])
+                verdict = verify_tree(proposal.tokens, tree, out)
+            else:
+                out = target.forward(block, leaf=before + 1 + leaf[0] if leaf else None)  # [len(block), V]
+                verdict = verify_block(proposal.tokens, proposal.probs, leaf, out, params, history, gen)
             kept = _until_end_of_turn(verdict.accepted, self.eot_ids)   # the cache never holds an EOT token
-            moved = before + len(block) - 1 if verdict.leaf_taken and kept == verdict.accepted else None
-            target.keep(before, [last] + kept, moved_from=moved)
+            if verdict.rows is not None:
+                target.keep(before, [last] + kept, rows=[0] + verdict.rows[:len(kept)])
+            else:
+                moved = before + len(block) - 1 if verdict.leaf_taken and kept == verdict.accepted else None
+                target.keep(before, [last] + kept, moved_from=moved)
             self._observe(proposal, verdict, len(block) - 1, time.perf_counter() - t0)
             for tok in verdict.accepted:
                 history.append(tok)
@@ -96,8 +106,10 @@ class SpeculativeDecoder:
                 greedy = params.greedy and params.repeat_penalty == 1.0
                 leaf_p = cfg.leaf_p if self.leaves and greedy and (not cfg.leaf_gate or self.gate.leaf_pays()) \
                     else 0.0
+                tree = (cfg.tree_width, cfg.tree_branches, min(cfg.tree_nodes, room)) \
+                    if self.trees and greedy and cfg.tree_width > 1 else None
                 limits = Limits(params, gen, k_min=cfg.draft_min, p_min=cfg.p_min, leaf_p=leaf_p,
-                                extend=self.gate.extend_pays if cfg.cost_stop else None)
+                                extend=self.gate.extend_pays if cfg.cost_stop else None, tree=tree)
                 return self.draft.propose(context, min(self.k["draft"], room), limits)
             return Proposal([])
         finally:
@@ -114,6 +126,9 @@ class SpeculativeDecoder:
         if not drafted:
             return
         self.stats.record(kind, drafted, n - verdict.leaf_taken)      # the chain's; leaves apart
+        if verdict.rows is not None:
+            self.stats.tree_rounds += 1
+            self.stats.off_chain += sum(r != j + 1 for j, r in enumerate(verdict.rows))
         if proposal.leaf is not None:
             self.stats.leaves += 1
             self.stats.leaves_taken += verdict.leaf_taken

@@ -33,6 +33,9 @@ class Proposal:
     forwards: int = 0                       # the proposer's forward passes
     step_s: float | None = None             # the time of its latest one-token step (None: none was run)
     match: int = 0                          # n-gram: the length of the matched suffix
+    tree: list[int] | None = None           # greedy: a tree of drafts, the block row of each token's parent (row 0
+                                            # the token before them, tokens[j] at row j + 1); its first chain
+                                            # comes first (tree[j] == j). None: a chain
 
 
 @dataclass
@@ -44,6 +47,8 @@ class Limits:
     p_min: float = 0.0                      # a draft model drafts on while its chain's probability is above
     leaf_p: float = 0.0                     # greedy: propose a side leaf where a token's probability is below
     extend: Callable[[int, float], bool] | None = None   # policy: whether an n-th token pays, given the chain
+    tree: tuple[int, int, int] | None = None    # greedy, a head: draft a tree of (children per expanded node,
+                                                # nodes expanded per depth, nodes at most); None: a chain
 
 
 class NgramProposer:
@@ -96,6 +101,91 @@ def draft_chain(logits: torch.Tensor, step, k: int, limits: Limits, context: lis
         if i is not None:
             leaf = (i, choose.second(logits_at[i], tokens[i]))
     return Proposal(tokens, torch.stack(qs) if qs else None, leaf=leaf, forwards=forwards, step_s=step_s)
+
+
+@dataclass
+class _Node:
+    token: int                  # a target id
+    parent: int                 # the parent node's index, -1: the root (the context)
+    depth: int
+    p: float                    # the product of the proposer's probabilities along its path
+    kv: tuple | None = None     # after its expansion: its own step's key and value, and its output state
+    state: torch.Tensor | None = None
+
+
+def draft_tree(logits: torch.Tensor, state: torch.Tensor, expand, k: int, limits: Limits, to_target) -> Proposal:
+    """Greedy drafting of a tree (EAGLE-2's kind, cost-gated): the root's children are the proposer's `width`
+    most likely tokens; depth by depth, candidates (each expanded node's `width` best children, with the
+    product of probabilities along their paths, p) are added best first while one more verify row pays for
+    its p (limits.extend with free=True: a row, no draft step: a depth's nodes share one batched step) and
+    the node count allows; then the `branches` best nodes just added are expanded by one batched step while
+    their p keeps the chain rule (>= p_min and limits.extend paying a draft step and a row, as a chain's next
+    token). With width 1 and branches 1 this is the chain of draft_chain. expand(nodes, parents' states,
+    paths) -> (logits [W, V'], states [W, D], own keys and values); to_target maps a logits index to a
+    target id. The tokens come out first chain first (each node's most likely child), then by depth."""
+    width, branches, max_nodes = limits.tree
+    extend = limits.extend
+    nodes: list[_Node] = []
+    frontier = [(-1, logits, 1.0)]
+    forwards, step_s = 0, None
+    for depth in range(1, k + 1):
+        cands = []
+        for ni, lg, p in frontier:
+            q, ids = torch.softmax(lg.float(), -1).topk(width)
+            cands += [(p * qq, ni, ii) for qq, ii in zip(q.tolist(), ids.tolist())]
+        cands.sort(key=lambda c: -c[0])
+        added = []
+        for p, ni, ii in cands:
+            n = len(nodes)
+            if n >= max_nodes or (n >= limits.k_min and extend is not None and not extend(n + 1, p, True)):
+                break
+            nodes.append(_Node(to_target(ii), ni, depth, p))
+            added.append(n)
+        if not added or depth == k:
+            break
+        grow = [i for i in added[:branches]
+                if nodes[i].p >= limits.p_min and (extend is None or extend(len(nodes) + 1, nodes[i].p))]
+        if not grow:
+            break
+        t = time.perf_counter()
+        out, states, own = expand([nodes[i] for i in grow],
+                                  torch.stack([state if nodes[i].parent < 0 else nodes[nodes[i].parent].state
+                                               for i in grow]),
+                                  [_path(nodes, nodes[i].parent) for i in grow])
+        step_s, forwards = time.perf_counter() - t, forwards + 1
+        for r, i in enumerate(grow):
+            nodes[i].kv, nodes[i].state = own[r], states[r]
+        frontier = [(i, out[r], nodes[i].p) for r, i in enumerate(grow)]
+    order = _chain_first(nodes)
+    row = {ni: r + 1 for r, ni in enumerate(order)}
+    parents = [row.get(nodes[ni].parent, 0) for ni in order]
+    tree = parents if any(p != j for j, p in enumerate(parents)) else None
+    return Proposal([nodes[ni].token for ni in order], kind="head", tree=tree, forwards=forwards, step_s=step_s)
+
+
+def _path(nodes: list[_Node], i: int) -> list:
+    """The keys and values of node i's steps and its ancestors', root first (i = -1: none)."""
+    out = []
+    while i >= 0:
+        out.append(nodes[i].kv)
+        i = nodes[i].parent
+    return out[::-1]
+
+
+def _chain_first(nodes: list[_Node]) -> list[int]:
+    """Node indices: the first chain (from the root, each node's most likely child), then the rest by depth
+    and likelihood (parents before children)."""
+    best: dict[int, int] = {}
+    for i, n in enumerate(nodes):
+        if n.parent not in best or n.p > nodes[best[n.parent]].p:
+            best[n.parent] = i
+    chain, at = [], -1
+    while at in best:
+        at = best[at]
+        chain.append(at)
+    on = set(chain)
+    rest = sorted((i for i in range(len(nodes)) if i not in on), key=lambda i: (nodes[i].depth, -nodes[i].p))
+    return chain + rest
 
 
 class Chooser:
@@ -237,7 +327,13 @@ class HeadProposer:
             return s.logits
 
         catch_s = time.perf_counter() - t
-        p = draft_chain(first.logits, step, k, limits, context, self.choose)
+        if limits.tree is not None and limits.params.greedy:
+            def expand(nodes, states, paths):
+                return self.head.tree_step([n.token for n in nodes], states, paths)
+
+            p = draft_tree(first.logits, first.state, expand, k, limits, self.head.target_id)
+        else:
+            p = draft_chain(first.logits, step, k, limits, context, self.choose)
         self.head.truncate(rows)                 # the drafted positions are the next round's to recompute
         p.kind, p.forwards = "head", p.forwards + 1
         if p.step_s is None:

@@ -12,6 +12,8 @@ class SpecStats:
     accepted: int = 0
     leaves: int = 0             # side leaves verified, and how many of them were taken
     leaves_taken: int = 0
+    tree_rounds: int = 0        # rounds that verified a tree, and tokens accepted off its first chain
+    off_chain: int = 0
     by_proposer: dict = field(default_factory=lambda: {"ngram": [0, 0, 0], "draft": [0, 0, 0]})  # rounds, drafted, accepted
     accept_hist: dict = field(default_factory=dict)      # accepted length -> rounds
     draft_s: float = 0.0
@@ -37,5 +39,6 @@ class SpecStats:
             "accept_histogram": dict(sorted(self.accept_hist.items())),
             "by_proposer": {k: {"rounds": v[0], "drafted": v[1], "accepted": v[2]} for k, v in self.by_proposer.items()},
             "leaves": self.leaves, "leaves_taken": self.leaves_taken,
+            "tree_rounds": self.tree_rounds, "off_chain": self.off_chain,
             "draft_ms": round(self.draft_s * 1000, 1), "verify_ms": round(self.verify_s * 1000, 1),
         }

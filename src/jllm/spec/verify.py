@@ -38,6 +38,26 @@ class Verdict:
     accepted: list[int]     # the drafted tokens kept, in order (a taken side leaf in place of the broken one)
     next: int               # the recovered or bonus token
     leaf_taken: bool = False
+    rows: list[int] | None = None   # a tree: the block rows of the accepted tokens (their path)
+
+
+def verify_tree(drafts: list[int], parents: list[int], logits: torch.Tensor) -> Verdict:
+    """Greedy verification of a tree of drafts. Block row 0 is the token before the drafts, row j + 1 holds
+    drafts[j], whose parent is row parents[j] (< j + 1); logits: the target's rows for the block, each that of
+    a decode step along its path (Transformer.forward's tree). From row 0, follow the child whose token is the
+    target's argmax at the current row, while there is one (siblings differ, so there is at most one): the
+    accepted path is the target's own greedy continuation, and the next token its argmax at the path's end."""
+    if len(parents) != len(drafts) or any(not 0 <= p <= j for j, p in enumerate(parents)):
+        raise ValueError(f"parents {parents} do not make a tree of {len(drafts)} drafts")
+    target = argmax(logits)
+    children: dict[int, dict[int, int]] = {}
+    for j, p in enumerate(parents):
+        children.setdefault(p, {}).setdefault(drafts[j], j + 1)
+    row, path = 0, []
+    while (nxt := children.get(row, {}).get(int(target[row]))) is not None:
+        path.append(nxt)
+        row = nxt
+    return Verdict([drafts[r - 1] for r in path], int(target[row]), rows=path)
 
 
 def verify_block(drafts: list[int], draft_probs: torch.Tensor | None, leaf: tuple[int, int] | None,
