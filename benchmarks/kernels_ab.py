@@ -60,8 +60,8 @@ def forward_ab(old, which: str, tokens: list[int], rounds: int) -> None:
             if headed:
                 self.s.set_head(*a)
 
-        def forward(self, x, k, v, start, last_only=False, leaf=-1):   # before: the final norm and output from Python
-            assert leaf < 0, "side leaves are not compared"
+        def forward(self, x, k, v, start, last_only=False, tree=()):   # before: the final norm and output from Python
+            assert not tree, "trees and side leaves are not compared"
             if headed:
                 return self.s.forward(x, k, v, start, last_only)
             h = self.s.forward(x, k, v, start)

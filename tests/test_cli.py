@@ -215,6 +215,7 @@ def test_bad_sampling_value(home):
 
 @pytest.mark.parametrize("args, words", [
     (["--spec", "ngram", "--draft-leaf-p", "2"], ["--draft-leaf-p"]),
+    (["--spec", "ngram", "--draft-tree", "-1"], ["--draft-tree"]),
     (["--spec", "ngram", "--draft-p-min", "nan"], ["--draft-p-min"]),
     (["-t", "0"], ["--threads"]),
     (["-c", "0"], ["--ctx-size"]),

@@ -112,7 +112,7 @@ def _precision(a: argparse.Namespace) -> str:
 
 def _spec_config(a: argparse.Namespace):
     """--spec, or JLLM_SPEC_DECODE=1|0 as the default; with a draft model, speculation is on unless turned off."""
-    from jllm.spec.config import SpecConfig
+    from jllm.spec.config import SpecConfig, check_tree
 
     if not hasattr(a, "spec"):
         return None
@@ -131,8 +131,10 @@ def _spec_config(a: argparse.Namespace):
         raise JllmError(f"--draft-p-min must be between 0 and 1 (got {a.draft_p_min})")
     if not 0.0 <= a.draft_leaf_p <= 1.0:
         raise JllmError(f"--draft-leaf-p must be between 0 and 1 (got {a.draft_leaf_p})")
+    check_tree(a.draft_tree)
     return SpecConfig(mode=mode, draft_max=a.draft_max, draft_min=a.draft_min, p_min=a.draft_p_min,
-                      leaf_p=a.draft_leaf_p)
+                      leaf_p=a.draft_leaf_p, tree_width=a.draft_tree)
+
 
 
 def _spec_args(p: argparse.ArgumentParser) -> None:
@@ -153,6 +155,9 @@ def _spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-leaf-p", type=float, default=LEAF_P,
                    help="greedy: also verify the draft's second choice where its least confident token's "
                    f"probability is below this, in the same pass (default {LEAF_P}; 0: never)")
+    p.add_argument("--draft-tree", type=int, default=0, metavar="W",
+                   help="greedy with an EAGLE-3 head: draft a tree, each expanded node's W best children, where "
+                   "verify rows pay for them (default 0: a chain; BENCHMARKS.md measures it)")
 
 
 def _cache_dir(a: argparse.Namespace):
@@ -647,6 +652,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--draft-min", type=int, default=DRAFT_MIN)
     b.add_argument("--draft-p-min", type=float, default=P_MIN)
     b.add_argument("--draft-leaf-p", type=float, default=LEAF_P)
+    b.add_argument("--draft-tree", type=int, default=0, metavar="W")
     b.add_argument("-n", "--n-predict", type=int, default=128, help="tokens per prompt for --spec")
     b.add_argument("--limit", type=int, default=None, help="only the first N corpus prompts")
     b.add_argument("--wrong-draft", action="store_true",

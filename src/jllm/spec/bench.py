@@ -20,7 +20,7 @@ from jllm.catalog import resolve
 from jllm.engine import Engine
 from jllm.errors import JllmError
 from jllm.sampling import SamplingParams
-from jllm.spec.config import SpecConfig
+from jllm.spec.config import SpecConfig, check_tree
 from jllm.spec.corpus import load_corpus
 
 
@@ -107,7 +107,8 @@ class AlwaysWrong:
         return getattr(self.inner, name)
 
     def propose(self, context, k, limits):
-        p = self.inner.propose(context, k, dataclasses.replace(limits, leaf_p=0.0))   # a leaf could be right
+        # a leaf or a tree's other branches could be right
+        p = self.inner.propose(context, k, dataclasses.replace(limits, leaf_p=0.0, tree=None))
         p.tokens = [(t + 1) % self.vocab for t in p.tokens]
         if p.probs is not None:                          # keep q consistent with what is proposed
             p.probs = torch.roll(p.probs, shifts=1, dims=-1)
@@ -118,8 +119,9 @@ def run(a) -> int:
 
     draft = str(resolve(a.draft_model)) if a.draft_model else None
     mode = a.spec_mode or ("auto" if draft else "ngram")
+    check_tree(a.draft_tree)
     cfg = SpecConfig(mode=mode, draft_max=a.draft_max, draft_min=a.draft_min, p_min=a.draft_p_min,
-                     leaf_p=a.draft_leaf_p)
+                     leaf_p=a.draft_leaf_p, tree_width=a.draft_tree)
     eng = Engine(str(resolve(a.model)), device=a.device, precision=a.precision, ctx_size=a.ctx_size,
                  threads=a.threads, draft_path=draft, spec=cfg)
     wrong_draft = getattr(a, "wrong_draft", False)

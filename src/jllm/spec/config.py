@@ -32,6 +32,7 @@ class SpecConfig:
                                 # node's this many best children (0 or 1: a chain), where rows pay for them
     tree_branches: int = 2      # ... expanding this many nodes a depth (one batched head step)
     tree_nodes: int = 8         # ... of at most this many nodes (verify rows)
+    tree_p: float = 0.0         # ... each node's path at least this likely by the head (and paying for its row)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -46,6 +47,14 @@ class SpecConfig:
         """(use the n-gram proposer, use the draft model) for this mode."""
         mode = self.mode if self.mode != "auto" else ("draft+ngram" if has_draft else "ngram")
         return mode in ("ngram", "draft+ngram"), has_draft and mode in ("draft", "draft+ngram")
+
+
+def check_tree(width: int) -> None:
+    """--draft-tree's value, refused in one line."""
+    if not 0 <= width <= 8:
+        from jllm.errors import JllmError
+
+        raise JllmError(f"--draft-tree must be between 0 and 8 (got {width})")
 
 
 def draft_precision_for(target_precision: str, choice: str = "auto") -> str:

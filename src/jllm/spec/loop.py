@@ -7,6 +7,9 @@ The target's Sequence holds every token but the newest one (`last`), exactly as 
     verdict  = verify_block(...)                         # verify.py: accepted tokens, then recovered/bonus
     target.keep(before, [last] + accepted)               # rollback moves a length, never copies
     emit accepted, then last = verdict.next
+A tree proposal (greedy, Proposal.tree) verifies every node in the same pass, each row a decode step along
+its path (Transformer.forward's tree); verify_tree follows the target's argmax through the branches and keep()
+moves the accepted path into place.
 Greedy output is identical to plain decoding because the target's logits at every position are bitwise the
 ones plain decoding computes. Sampled output follows the target's distribution exactly (verify.py). How far
 to draft and whether to use the draft model at all is policy.py's, and changes only speed.
@@ -106,7 +109,7 @@ class SpeculativeDecoder:
                 greedy = params.greedy and params.repeat_penalty == 1.0
                 leaf_p = cfg.leaf_p if self.leaves and greedy and (not cfg.leaf_gate or self.gate.leaf_pays()) \
                     else 0.0
-                tree = (cfg.tree_width, cfg.tree_branches, min(cfg.tree_nodes, room)) \
+                tree = (cfg.tree_width, cfg.tree_branches, min(cfg.tree_nodes, room), cfg.tree_p) \
                     if self.trees and greedy and cfg.tree_width > 1 else None
                 limits = Limits(params, gen, k_min=cfg.draft_min, p_min=cfg.p_min, leaf_p=leaf_p,
                                 extend=self.gate.extend_pays if cfg.cost_stop else None, tree=tree)

@@ -47,8 +47,9 @@ class Limits:
     p_min: float = 0.0                      # a draft model drafts on while its chain's probability is above
     leaf_p: float = 0.0                     # greedy: propose a side leaf where a token's probability is below
     extend: Callable[[int, float], bool] | None = None   # policy: whether an n-th token pays, given the chain
-    tree: tuple[int, int, int] | None = None    # greedy, a head: draft a tree of (children per expanded node,
-                                                # nodes expanded per depth, nodes at most); None: a chain
+    tree: tuple[int, int, int, float] | None = None  # greedy, a head: draft a tree of (children per expanded
+                                                # node, nodes expanded per depth, nodes at most, the least
+                                                # probability of a node's path); None: a chain
 
 
 class NgramProposer:
@@ -123,7 +124,7 @@ def draft_tree(logits: torch.Tensor, state: torch.Tensor, expand, k: int, limits
     token). With width 1 and branches 1 this is the chain of draft_chain. expand(nodes, parents' states,
     paths) -> (logits [W, V'], states [W, D], own keys and values); to_target maps a logits index to a
     target id. The tokens come out first chain first (each node's most likely child), then by depth."""
-    width, branches, max_nodes = limits.tree
+    width, branches, max_nodes, p_node = limits.tree
     extend = limits.extend
     nodes: list[_Node] = []
     frontier = [(-1, logits, 1.0)]
@@ -137,7 +138,7 @@ def draft_tree(logits: torch.Tensor, state: torch.Tensor, expand, k: int, limits
         added = []
         for p, ni, ii in cands:
             n = len(nodes)
-            if n >= max_nodes or (n >= limits.k_min and extend is not None and not extend(n + 1, p, True)):
+            if n >= max_nodes or (n >= limits.k_min and (p < p_node or extend is not None and not extend(n + 1, p, True))):
                 break
             nodes.append(_Node(to_target(ii), ni, depth, p))
             added.append(n)
