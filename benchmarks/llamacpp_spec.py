@@ -86,6 +86,8 @@ def main() -> None:
                "spec_tokens": int(d.group(1)), "spec_s": float(d.group(2)),
                "drafted": int(dr.group(1)) if dr else 0, "accepted": int(ac.group(1)) if ac else 0}
         rows.append(row)
+        if row["llama_prompt_tokens"] not in (None, len(ids)):
+            print(f"{item['id']}: llama.cpp read {row['llama_prompt_tokens']} prompt tokens, jllm {len(ids)}")
         print(f"{item['id']:<28} plain {row['plain_tokens'] / row['plain_s']:6.2f} tok/s  "
               f"spec {row['spec_tokens'] / row['spec_s']:6.2f} tok/s  "
               f"alpha {row['accepted'] / max(1, row['drafted']):.2f}", flush=True)

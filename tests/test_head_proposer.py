@@ -153,7 +153,8 @@ def test_a_head_drafting_trees_keeps_the_output(files):
 
 
 def test_tree_steps_are_the_chains_steps(files):
-    """Eagle3Head.tree_step on one branch gives the logits and state of step() along the same path."""
+    """Eagle3Head.tree_step over two branches (7 then 9, 11 then 13) gives each row the logits and state of
+    step() along its own path: at depth 2 each row sees its own ancestor, not the other branch's."""
     eng = engine(files["target"], files["head"])
     head = eng.head
     ids = eng.encode(PROMPT)
@@ -161,11 +162,15 @@ def test_tree_steps_are_the_chains_steps(files):
     head.truncate(0)
     first = head.prefill(eng.target.features[:len(ids) - 1], ids[1:])
     base = head.length
-    a = head.step(7, first.state)
-    b = head.step(9, a.state)
-    head.truncate(base)
-    la, sa, own_a = head.tree_step([7, 11], torch.stack([first.state, first.state]), [[], []])
-    lb, sb, _ = head.tree_step([9], sa[:1], [[own_a[0]]])
+    chains = []
+    for t1, t2 in ((7, 9), (11, 13)):
+        a = head.step(t1, first.state)
+        chains.append((a, head.step(t2, a.state)))
+        head.truncate(base)
+    la, sa, own = head.tree_step([7, 11], torch.stack([first.state, first.state]), [[], []])
+    lb, sb, _ = head.tree_step([9, 13], sa, [[own[0]], [own[1]]])
     assert head.length == base
-    assert torch.allclose(la[0], a.logits, atol=1e-4) and torch.allclose(lb[0], b.logits, atol=1e-4)
-    assert torch.allclose(sb[0], b.state, atol=1e-4)
+    for r, (a, b) in enumerate(chains):
+        assert torch.allclose(la[r], a.logits, atol=1e-4) and torch.allclose(sa[r], a.state, atol=1e-4)
+        assert torch.allclose(lb[r], b.logits, atol=1e-4) and torch.allclose(sb[r], b.state, atol=1e-4)
+    assert not torch.allclose(lb[0], lb[1], atol=1e-3)          # the branches differ

@@ -157,7 +157,8 @@ def _spec_args(p: argparse.ArgumentParser) -> None:
                    f"probability is below this, in the same pass (default {LEAF_P}; 0: never)")
     p.add_argument("--draft-tree", type=int, default=0, metavar="W",
                    help="greedy with an EAGLE-3 head: draft a tree, each expanded node's W best children, where "
-                   "verify rows pay for them (default 0: a chain; BENCHMARKS.md measures it)")
+                   "verify rows pay for them, instead of a chain with a side leaf (default 0: a chain; "
+                   "BENCHMARKS.md measures it)")
 
 
 def _cache_dir(a: argparse.Namespace):

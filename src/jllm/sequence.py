@@ -97,6 +97,8 @@ class Sequence:
             raise ValueError(f"cannot keep {len(ids)} tokens from {start} in a sequence of {len(self.ids)}")
         moves = [] if moved_from is None else [(moved_from, end - 1)]
         if rows is not None:
+            if moved_from is not None:
+                raise ValueError("keep: a side leaf's move or a tree's rows, not both")
             if len(rows) != len(ids) or any(r < j or start + r >= len(self.ids) for j, r in enumerate(rows)):
                 raise ValueError(f"rows {rows} do not place {len(ids)} tokens of a block at {start}")
             moves = [(start + r, start + j) for j, r in enumerate(rows) if r != j]

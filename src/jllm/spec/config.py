@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from jllm.spec import DRAFT_MAX, DRAFT_MIN, DRAFT_VOCAB, LEAF_P, P_MIN
 
 MODES = ("auto", "draft", "ngram", "draft+ngram", "none")
+TREE_WIDTH_MAX = 8
 
 
 @dataclass
@@ -39,8 +40,8 @@ class SpecConfig:
             raise ValueError(f"speculation mode {self.mode!r} is not one of {', '.join(MODES)}")
         if not 1 <= self.draft_min <= self.draft_max:
             raise ValueError(f"need 1 <= draft_min <= draft_max, got {self.draft_min}, {self.draft_max}")
-        if self.tree_width < 0 or self.tree_branches < 1 or self.tree_nodes < 1:
-            raise ValueError(f"need tree_width >= 0, tree_branches >= 1 and tree_nodes >= 1, got "
+        if not 0 <= self.tree_width <= TREE_WIDTH_MAX or self.tree_branches < 1 or self.tree_nodes < 1:
+            raise ValueError(f"need 0 <= tree_width <= {TREE_WIDTH_MAX}, tree_branches >= 1 and tree_nodes >= 1, got "
                              f"{self.tree_width}, {self.tree_branches}, {self.tree_nodes}")
 
     def proposers(self, has_draft: bool) -> tuple[bool, bool]:
@@ -51,10 +52,10 @@ class SpecConfig:
 
 def check_tree(width: int) -> None:
     """--draft-tree's value, refused in one line."""
-    if not 0 <= width <= 8:
+    if not 0 <= width <= TREE_WIDTH_MAX:
         from jllm.errors import JllmError
 
-        raise JllmError(f"--draft-tree must be between 0 and 8 (got {width})")
+        raise JllmError(f"--draft-tree must be between 0 and {TREE_WIDTH_MAX} (got {width})")
 
 
 def draft_precision_for(target_precision: str, choice: str = "auto") -> str:

@@ -68,6 +68,8 @@ class SpeculativeDecoder:
             before, leaf, tree = len(target), proposal.leaf, proposal.tree
             block = [last] + proposal.tokens + ([leaf[1]] if leaf else [])
             if tree is not None:                    # greedy only: rows past the first chain are tree rows
+                if not params.greedy or params.repeat_penalty != 1.0:
+                    raise ValueError("a tree of drafts is verified greedily only; this generation samples")
                 chain = next((j for j, p in enumerate(tree) if p != j), len(tree))
                 out = target.forward(block, tree=tree[chain:])
                 verdict = verify_tree(proposal.tokens, tree, out)

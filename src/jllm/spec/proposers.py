@@ -46,7 +46,8 @@ class Limits:
     k_min: int = 1                          # draft at least this many (when the proposer can)
     p_min: float = 0.0                      # a draft model drafts on while its chain's probability is above
     leaf_p: float = 0.0                     # greedy: propose a side leaf where a token's probability is below
-    extend: Callable[[int, float], bool] | None = None   # policy: whether an n-th token pays, given the chain
+    extend: Callable[..., bool] | None = None   # policy: whether an n-th token pays, given the chain (and
+                                                # free=True: a token that costs no draft step)
     tree: tuple[int, int, int, float] | None = None  # greedy, a head: draft a tree of (children per expanded
                                                 # node, nodes expanded per depth, nodes at most, the least
                                                 # probability of a node's path); None: a chain
@@ -138,14 +139,16 @@ def draft_tree(logits: torch.Tensor, state: torch.Tensor, expand, k: int, limits
         added = []
         for p, ni, ii in cands:
             n = len(nodes)
-            if n >= max_nodes or (n >= limits.k_min and (p < p_node or extend is not None and not extend(n + 1, p, True))):
+            forced = depth <= limits.k_min and not added        # the first chain reaches k_min whatever it costs
+            if n >= max_nodes or not forced and (p < p_node or extend is not None and not extend(n + 1, p, True)):
                 break
             nodes.append(_Node(to_target(ii), ni, depth, p))
             added.append(n)
-        if not added or depth == k:
+        if not added or depth == k or len(nodes) >= max_nodes:      # no room for children: no step for them
             break
-        grow = [i for i in added[:branches]
-                if nodes[i].p >= limits.p_min and (extend is None or extend(len(nodes) + 1, nodes[i].p))]
+        grow = [i for j, i in enumerate(added[:branches])
+                if j == 0 and depth < limits.k_min or
+                nodes[i].p >= limits.p_min and (extend is None or extend(len(nodes) + 1, nodes[i].p))]
         if not grow:
             break
         t = time.perf_counter()
