@@ -169,9 +169,8 @@ class Eagle3Head:
     @torch.inference_mode()
     def tree_step(self, tokens: list[int], states: torch.Tensor, paths: list[list[tuple[torch.Tensor, torch.Tensor]]]
                   ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """One draft step of several branches of a tree at the same depth j >= 1: tokens [W] (target ids' draft
-        rows are not needed: the embedding takes target ids), states [W, D] (each branch's previous output
-        state), paths[w] the keys and values of its j - 1 ancestors' steps (from earlier tree_step calls), in
+        """One draft step of several branches of a tree at the same depth j >= 1: tokens [W] (target ids, as
+        step() takes), states [W, D] (each branch's parent's output state), paths[w] the keys and values of its j - 1 ancestors' steps (from earlier tree_step calls), in
         depth order. Row w stands at position length + j - 1 and sees the head's cache (positions
         0 .. length - 1), its ancestors and itself; the cache's length does not move (its slots past it are
         scratch). -> (logits [W, Vd], out states [W, D], each row's own (key, value) for its children's paths).
@@ -184,17 +183,11 @@ class Eagle3Head:
             raise JllmError(f"the eagle3 head's context is full ({self.cos.shape[0]} positions)")
         if any(len(p) != j - 1 for p in paths) or len(paths) != W:
             raise ValueError("tree_step: every row's path has the same depth")
-        e = self._norm(self.embed(torch.tensor(tokens, dtype=torch.int64)).contiguous(), self.attn_norm)
-        g = states.float().contiguous()
-        gn = self._norm(g, self.hidden_norm)
-        qkv = self.qkv(torch.cat([e, gn], dim=1))
+        qk, v, g, gn = self._qkv(torch.tensor(tokens, dtype=torch.int64), states)
         H, Hk, hd = c.n_heads, c.n_kv_heads, c.head_dim
-        qd, kvd = H * hd, Hk * hd
-        qk = qkv[:, :qd + kvd].reshape(W, H + Hk, hd)
-        v = qkv[:, qd + kvd:].reshape(W, Hk, hd)
         kc, vc = self.cache.k[0], self.cache.v[0]                         # [Hk, L, hd]
         cos, sin = self.cos[pos:pos + 1], self.sin[pos:pos + 1]
-        a = torch.empty(W, qd, device=qkv.device)
+        a = torch.empty(W, H * hd, device=qk.device)
         own = []
         for w in range(W):
             for i, (kp, vp) in enumerate(paths[w]):
@@ -209,14 +202,10 @@ class Eagle3Head:
                 o = F.scaled_dot_product_attention(r[:, :H].reshape(1, H, 1, hd), kc[None, :, :pos + 1].float(),
                                                    vc[None, :, :pos + 1].float(), scale=c.attn_scale,
                                                    enable_gqa=H != Hk)
-                a[w] = o.reshape(qd)
+                a[w] = o.reshape(H * hd)
             own.append((kc[:, pos].clone(), vc[:, pos].clone()))
-        h = self.o(a) + (gn if c.norm_before_residual else g)
-        n = self._norm(h, self.ffn_norm)
-        gu = self.gate_up(n)
-        m = self.down(kern.glu(gu, False)) if kern is not None else self.down(F.silu(gu[:, :c.ffn]) * gu[:, c.ffn:])
-        out = h + m
-        return self.output(self._norm(out.contiguous(), self.output_norm)), out, own
+        out = self._mlp(a, g, gn)
+        return self._logits(out), out, own
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, g: torch.Tensor, last_only: bool = False
@@ -228,15 +217,8 @@ class Eagle3Head:
         start = self.cache.reserve(T)
         if start + T > self.cos.shape[0]:
             raise JllmError(f"the eagle3 head's context is full ({self.cos.shape[0]} positions)")
-        e = self.embed(tokens)                              # e: [T, D], the rows as stored (never scaled)
-        g = g.float().contiguous()
-        e = self._norm(e.contiguous(), self.attn_norm)
-        gn = self._norm(g, self.hidden_norm)
-        qkv = self.qkv(torch.cat([e, gn], dim=1))                         # [T, q + 2 kv]
-        H, Hk, hd = c.n_heads, c.n_kv_heads, c.head_dim
-        qd, kvd = H * hd, Hk * hd
-        qk = qkv[:, :qd + kvd].reshape(T, H + Hk, hd)
-        v = qkv[:, qd + kvd:].reshape(T, Hk, hd)
+        qk, v, g, gn = self._qkv(tokens, g)
+        H = c.n_heads
         cos, sin = self.cos[start:start + T], self.sin[start:start + T]
         kc, vc = self.cache.k[0], self.cache.v[0]                         # [Hk, L, hd]
         if k is not None:
@@ -254,19 +236,34 @@ class Eagle3Head:
             kc[:, start:start + T] = qk[:, H:].transpose(0, 1).to(kc.dtype)
             vc[:, start:start + T] = v.transpose(0, 1).to(vc.dtype)
             a = self._attention(qk[:, :H], kc, vc, start)
-        h = self.o(a) + (gn if c.norm_before_residual else g)
-        n = self._norm(h, self.ffn_norm)
-        gu = self.gate_up(n)
-        if k is not None:
-            m = self.down(k.glu(gu, False))
-        else:
-            m = self.down(F.silu(gu[:, :c.ffn]) * gu[:, c.ffn:])
-        out = h + m                                                       # [T, D], fed back
+        out = self._mlp(a, g, gn)                                         # [T, D], fed back
         self.cache.length = start + T
-        x = out[-1:] if last_only else out
-        return self.output(self._norm(x.contiguous(), self.output_norm)), out
+        return self._logits(out[-1:] if last_only else out), out
 
     # ------------------------------------------------------------------------------------------- internals
+
+    def _qkv(self, tokens: torch.Tensor, g: torch.Tensor):
+        """The layer before attention: tokens [T] (target ids), g [T, D] -> q and k [T, H + Hk, hd] before
+        RoPE, v [T, Hk, hd], g as float32 and its norm gn."""
+        c = self.cfg
+        e = self._norm(self.embed(tokens).contiguous(), self.attn_norm)   # the rows as stored (never scaled)
+        g = g.float().contiguous()
+        gn = self._norm(g, self.hidden_norm)
+        qkv = self.qkv(torch.cat([e, gn], dim=1))                         # [T, q + 2 kv]
+        T, H, Hk, hd = qkv.shape[0], c.n_heads, c.n_kv_heads, c.head_dim
+        split = (H + Hk) * hd
+        return qkv[:, :split].reshape(T, H + Hk, hd), qkv[:, split:].reshape(T, Hk, hd), g, gn
+
+    def _mlp(self, a: torch.Tensor, g: torch.Tensor, gn: torch.Tensor) -> torch.Tensor:
+        """The layer after attention: a [T, H * hd] -> the output state [T, D]."""
+        c, k = self.cfg, self.kernels
+        h = self.o(a) + (gn if c.norm_before_residual else g)
+        gu = self.gate_up(self._norm(h, self.ffn_norm))
+        m = self.down(k.glu(gu, False)) if k is not None else self.down(F.silu(gu[:, :c.ffn]) * gu[:, c.ffn:])
+        return h + m
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.output(self._norm(x.contiguous(), self.output_norm))
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:
