@@ -300,9 +300,29 @@ def test_concurrent_requests_are_all_answered_without_mix_ups(srv):
         assert text == want[p], p
 
 
-def test_client_disconnects_stop_their_generations(srv):
+class _Slow:
+    """A generation that yields its tokens no faster than one per 2 ms (attributes: the generation's own)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        time.sleep(0.002)
+        return next(self.inner)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_client_disconnects_stop_their_generations(srv, monkeypatch):
     """A stream closed mid-way is stopped between two tokens; a request abandoned while queued behind it is
-    never run; the server goes on serving."""
+    never run; the server goes on serving. The tiny model's 3,500 tokens come in under a second with n-gram
+    drafting, about when the client below lets go: paced at 2 ms a token, the stream is surely still running."""
+    stream = srv.engine.stream
+    monkeypatch.setattr(srv.engine, "stream", lambda *a, **kw: _Slow(stream(*a, **kw)))
     before = srv.http.get("/metrics").text
     long = {"model": "tiny", "messages": user("write forever"), "max_tokens": 3500, "temperature": 0}
     with httpx.Client(base_url=srv.base, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
