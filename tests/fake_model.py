@@ -26,7 +26,7 @@ class FakeModel:
         return self.table[prev, tok]
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False,
-                leaf: int | None = None) -> torch.Tensor:
+                tree: list[int] | None = None) -> torch.Tensor:
         T = tokens.shape[0]
         start = cache.reserve(T)
         cache.k[0, 0, start:start + T, 0] = tokens.float()
@@ -34,10 +34,11 @@ class FakeModel:
         self.calls.append(T)
         held = cache.k[0, 0, :cache.length, 0].long().tolist()
         rows = []
+        tree = tree or []
         for i in range(T):
             pos = start + i
-            if leaf is not None and i == T - 1:          # a side leaf stands at position `leaf`
-                pos_prev = leaf - 1
+            if i >= T - len(tree):                       # a tree row follows its parent row
+                pos_prev = start + tree[i - (T - len(tree))]
             else:
                 pos_prev = pos - 1
             prev = held[pos_prev] if pos_prev >= 0 else 0

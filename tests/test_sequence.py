@@ -40,8 +40,8 @@ def test_keep_after_a_verify_block_and_a_moved_side_leaf():
     seq = Sequence(model, 64)
     seq.sync([1, 2, 3])
     before = len(seq)
-    seq.forward([4, 5, 6, 7, 8], leaf=before + 1)      # last row: an alternative (8) to the token at before+1
-    seq.keep(before, [4, 8], moved_from=before + 4)
+    seq.forward([4, 5, 6, 7, 8], tree=[0])            # last row: an alternative (8) to 5, the child of row 0
+    seq.keep(before, [4, 8], rows=[0, 4])
     assert seq.ids == [1, 2, 3, 4, 8] and seq.cache.length == 5
     assert seq.cache.k[0, 0, :5, 0].long().tolist() == [1, 2, 3, 4, 8]
     with pytest.raises(ValueError):

@@ -181,19 +181,19 @@ def test_a_side_leaf_computes_what_a_decode_step_of_it_would(paths):
         model.forward(torch.tensor(ids), cache)
         return cache
 
-    tree = cache_after(prefix)
-    start = tree.length
-    out = model.forward(torch.tensor(chain + [alt]), tree, leaf=start + j)
+    held = cache_after(prefix)
+    start = held.length
+    out = model.forward(torch.tensor(chain + [alt]), held, tree=[j - 1])    # its parent: chain[j - 1]
     plain = cache_after(prefix)
     assert torch.equal(out[:-1], model.forward(torch.tensor(chain), plain))
     step = cache_after(prefix + chain[:j])
     assert torch.equal(out[-1], model.forward(torch.tensor([alt]), step)[0])
     # moved to its position, the leaf's key and value are the decode step's
-    tree.move(start + len(chain), start + j)
+    held.move(start + len(chain), start + j)
     n = start + j + 1
-    assert torch.equal(tree.k[:, :, :n], step.k[:, :, :n]) and torch.equal(tree.v[:, :, :n], step.v[:, :, :n])
+    assert torch.equal(held.k[:, :, :n], step.k[:, :, :n]) and torch.equal(held.v[:, :, :n], step.v[:, :, :n])
     with pytest.raises(RuntimeError, match="parent"):
-        model.forward(torch.tensor(chain + [alt]), tree, leaf=start - 1)
+        model.forward(torch.tensor(chain + [alt]), held, tree=[-2])
 
 
 def test_a_tree_computes_what_decode_steps_along_its_paths_would(paths):

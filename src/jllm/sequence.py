@@ -65,20 +65,17 @@ class Sequence:
         self.evaluated = len(context) - keep
         return logits
 
-    def forward(self, tokens: list[int], last_only: bool = False, leaf: int | None = None,
-                tree: list[int] | None = None) -> torch.Tensor:
+    def forward(self, tokens: list[int], last_only: bool = False, tree: list[int] | None = None) -> torch.Tensor:
         """Evaluate `tokens` after the held ones and hold them too -> logits [T, vocab] ([1, vocab] with
-        last_only). leaf, tree: see Transformer.forward (the last token is a side leaf of position `leaf`; the
-        last len(tree) tokens are tree rows with these parents). Until keep(), position start + row holds row's
-        token whatever its depth."""
+        last_only). tree: see Transformer.forward (the last len(tree) tokens are tree rows with these parents;
+        a side leaf is a tree of one row). Until keep(), position start + row holds row's token whatever its
+        depth."""
         start = len(self.ids)
         x = torch.tensor(tokens)            # on the host: the embedding looks rows up there (no device sync)
-        extra = {"tree": tree} if tree else {}
         if self.capture is None:
-            logits = self.model.forward(x, self.cache, last_only=last_only, leaf=leaf, **extra)
+            logits = self.model.forward(x, self.cache, last_only=last_only, tree=tree)
         else:
-            logits, hidden = self.model.forward(x, self.cache, last_only=last_only, leaf=leaf, capture=self.capture,
-                                                **extra)
+            logits, hidden = self.model.forward(x, self.cache, last_only=last_only, capture=self.capture, tree=tree)
             self.features[start:start + len(tokens)] = hidden
         self.ids.extend(tokens)
         return logits
@@ -87,18 +84,15 @@ class Sequence:
         """One decode step -> logits after `token` [vocab]."""
         return self.forward([token])[-1]
 
-    def keep(self, start: int, ids: list[int], moved_from: int | None = None, rows: list[int] | None = None) -> None:
-        """After a forward over a verify block that began at `start`: positions start.. now hold `ids` (they
-        were evaluated there), and everything past them is dropped. moved_from: the last of `ids` is a side
-        leaf whose keys and values were computed at that position; they move into place. rows: the block rows
-        ids were evaluated in (a tree's accepted path, increasing, rows[j] >= j); each moves to start + j."""
+    def keep(self, start: int, ids: list[int], rows: list[int] | None = None) -> None:
+        """After a forward over a verify block that began at `start`: positions start.. now hold `ids`, and
+        everything past them is dropped. rows: the block rows ids were evaluated in (a tree's accepted path or a
+        taken side leaf; increasing, rows[j] >= j), each moved to start + j; None: rows 0, 1, ... (a chain)."""
         end = start + len(ids)
         if end > len(self.ids):
             raise ValueError(f"cannot keep {len(ids)} tokens from {start} in a sequence of {len(self.ids)}")
-        moves = [] if moved_from is None else [(moved_from, end - 1)]
+        moves = []
         if rows is not None:
-            if moved_from is not None:
-                raise ValueError("keep: a side leaf's move or a tree's rows, not both")
             if len(rows) != len(ids) or any(r < j or start + r >= len(self.ids) for j, r in enumerate(rows)):
                 raise ValueError(f"rows {rows} do not place {len(ids)} tokens of a block at {start}")
             moves = [(start + r, start + j) for j, r in enumerate(rows) if r != j]

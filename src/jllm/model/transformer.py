@@ -109,17 +109,14 @@ class Transformer:
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False,
-                leaf: int | None = None, capture: tuple[int, ...] | None = None, tree: list[int] | None = None):
+                capture: tuple[int, ...] | None = None, tree: list[int] | None = None):
         """tokens: [T] int64 -> logits [T, vocab] (or [1, vocab] with last_only) float32.
 
         Writes the new tokens' keys and values at cache.length and advances it by T.
-        leaf (native stack only): the last token is a side leaf of a speculative tree, an alternative to the
-        token at position `leaf`; its logits are those of a decode step of it at that position (see Stack),
-        its key and value sit at the last position.
         tree (native stack only): the parents of the last len(tree) tokens, the rows of a speculative tree (each a
         row index before it in this call; the rows before them are a chain). A tree row's logits are those of a
         decode step along its path, at the position of its depth; its key and value sit at its own row's
-        position (Sequence.keep moves an accepted path's into place). `leaf` is the tree of one row.
+        position (Sequence.keep moves an accepted path's into place). A side leaf is a tree of one row.
         capture (layer ids, each 0..n_layers; an EAGLE-3 head's target_layers): return (logits, hidden) with
         hidden [T, len(capture) * hidden] float32, block j the residual stream entering layer capture[j]
         (n_layers: the last layer's output before the final norm), for every row even with last_only.
@@ -127,10 +124,6 @@ class Transformer:
         """
         c, w = self.cfg, self.w
         T = tokens.shape[0]
-        if leaf is not None:
-            if tree:
-                raise ValueError("a side leaf or a tree, not both")
-            tree = [leaf - cache.length - 1]              # the row of the position before the leaf's
         if tree and self.stack is None:
             raise ValueError("side leaves and trees need the native layer stack")
         norm = self.kernels.rms_norm if self.kernels is not None else rms_norm

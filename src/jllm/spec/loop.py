@@ -74,14 +74,10 @@ class SpeculativeDecoder:
                 out = target.forward(block, tree=tree[chain:])
                 verdict = verify_tree(proposal.tokens, tree, out)
             else:
-                out = target.forward(block, leaf=before + 1 + leaf[0] if leaf else None)  # [len(block), V]
+                out = target.forward(block, tree=[leaf[0]] if leaf else None)  # the leaf's parent: row leaf[0]
                 verdict = verify_block(proposal.tokens, proposal.probs, leaf, out, params, history, gen)
             kept = _until_end_of_turn(verdict.accepted, self.eot_ids)   # the cache never holds an EOT token
-            if verdict.rows is not None:
-                target.keep(before, [last] + kept, rows=[0] + verdict.rows[:len(kept)])
-            else:
-                moved = before + len(block) - 1 if verdict.leaf_taken and kept == verdict.accepted else None
-                target.keep(before, [last] + kept, moved_from=moved)
+            target.keep(before, [last] + kept, rows=None if verdict.rows is None else [0] + verdict.rows[:len(kept)])
             self._observe(proposal, verdict, len(block) - 1, time.perf_counter() - t0)
             for tok in verdict.accepted:
                 history.append(tok)
@@ -131,7 +127,7 @@ class SpeculativeDecoder:
         if not drafted:
             return
         self.stats.record(kind, drafted, n - verdict.leaf_taken)      # the chain's; leaves apart
-        if verdict.rows is not None:
+        if proposal.tree is not None:
             self.stats.tree_rounds += 1
             self.stats.off_chain += sum(r != j + 1 for j, r in enumerate(verdict.rows))
         if proposal.leaf is not None:

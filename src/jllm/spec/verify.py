@@ -11,7 +11,7 @@ for the position of d(i+1), row k the one after the whole draft. Walking the dra
 So every verify emits n + 1 tokens: n accepted plus one recovered or bonus token.
 
 A side leaf (greedy only): the block may end with one more row, an alternative token for draft position i,
-verified as if it stood at position i (Transformer.forward's `leaf`). It is taken when the draft's chain
+verified as if it stood at position i (a tree of one row: Transformer.forward's `tree`). It is taken when the draft's chain
 breaks exactly at i and the target's token there is the leaf's: then it counts as accepted, and the token
 after it (its row's argmax) is the bonus.
 
@@ -38,7 +38,7 @@ class Verdict:
     accepted: list[int]     # the drafted tokens kept, in order (a taken side leaf in place of the broken one)
     next: int               # the recovered or bonus token
     leaf_taken: bool = False
-    rows: list[int] | None = None   # a tree: the block rows of the accepted tokens (their path)
+    rows: list[int] | None = None   # a tree or a taken leaf: the block rows of the accepted tokens (their path)
 
 
 def verify_tree(drafts: list[int], parents: list[int], logits: torch.Tensor) -> Verdict:
@@ -74,7 +74,7 @@ def verify_block(drafts: list[int], draft_probs: torch.Tensor | None, leaf: tupl
             target = [sample(logits[i], params, history + drafts[:i], gen) for i in range(k + 1)]
         n, nxt = verify_greedy(drafts, target[:k + 1])
         if leaf is not None and n == leaf[0] and target[n] == leaf[1]:
-            return Verdict(drafts[:n] + [leaf[1]], target[-1], leaf_taken=True)
+            return Verdict(drafts[:n] + [leaf[1]], target[-1], leaf_taken=True, rows=[*range(1, n + 1), k + 1])
         return Verdict(drafts[:n], nxt)
     p = torch.stack([probs(logits[i], params, history + drafts[:i]) for i in range(k + 1)])
     if draft_probs is not None and draft_probs.shape[-1] < p.shape[-1]:
