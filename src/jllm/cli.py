@@ -136,7 +136,6 @@ def _spec_config(a: argparse.Namespace):
                       leaf_p=a.draft_leaf_p, tree_width=a.draft_tree)
 
 
-
 def _spec_args(p: argparse.ArgumentParser) -> None:
     from jllm.spec.config import MODES
 
