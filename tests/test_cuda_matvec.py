@@ -99,6 +99,23 @@ def test_each_row_is_its_own_bitwise_whatever_the_rows_beside_it(kind):
         matvec(x, object())
 
 
+@pytest.mark.parametrize("kind", list(TYPES), ids=lambda t: t.name)
+def test_rows_sharing_a_program_get_the_one_row_programs_sums_bitwise(kind, monkeypatch):
+    """11 rows: a program of 8 and one of 3 (5 of its slots masked), against a program a row."""
+    import jllm.cuda.rows as rows
+
+    n, k = 16, 512
+    w = TYPES[kind][0](random_blocks(kind, n, k, seed=5), (n, k), DEV)
+    x = torch.randn(11, k, generator=torch.Generator().manual_seed(6)).to(DEV)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(7)).to(DEV)
+    split = 2 if kind in (T.Q4_K, T.Q6_K) else None
+    shared = matvec(x, w, bias=bias, split=split)
+    monkeypatch.setattr(rows, "ROWS_MAX", 1)
+    alone = matvec(x, w, bias=bias, split=split)
+    assert torch.equal(shared, alone)
+    assert rows.rows_a_program(11) == 1
+
+
 @pytest.mark.parametrize("kind", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("split", [2, 3, 5])           # 5 shares of 4 super-blocks: the last one is empty
 def test_a_row_summed_in_shares_is_the_whole_rows_sum_and_stays_its_own(kind, split):

@@ -18,6 +18,7 @@ import triton.language as tl
 from gguf import GGMLQuantizationType as T
 
 from jllm.cuda.layout import file_blocks, nbytes
+from jllm.cuda.rows import rows_a_program, store_rows
 
 KIND = {T.Q4_0: 0, T.Q5_0: 1, T.Q8_0: 2}          # the types held here, and the kernel's constexpr switch
 
@@ -55,45 +56,72 @@ class Blocks32Weight:
 
 
 @triton.jit
-def _blocks32_matvec(x_ptr, d_ptr, qs_ptr, qh_ptr, b_ptr, y_ptr, N, K, NB, Y_STRIDE, KIND: tl.constexpr,
-                     BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr):
-    m = tl.program_id(0)                  # the rows of one block of outputs run side by side: its weights
-    pid_n = tl.program_id(1)              # are read from memory once, the other rows find them in L2
+def _row(x_ptr, at, ok, wd):
+    """One row's part of a half block: the weights' values wd [BN, 16] against x at `at` -> [BN]."""
+    x = tl.load(x_ptr + at, mask=ok, other=0.0).to(tl.float32)
+    return tl.sum(wd * x[None, :], axis=1)
+
+
+@triton.jit
+def _blocks32_matvec(x_ptr, d_ptr, qs_ptr, qh_ptr, b_ptr, y_ptr, M, N, K, NB, Y_STRIDE, KIND: tl.constexpr,
+                     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HAS_BIAS: tl.constexpr):
+    m0 = tl.program_id(0) * ROWS          # rows m0 .. m0 + ROWS - 1 of x (those below M) share the program
+    pid_n = tl.program_id(1)              # (jllm.cuda.rows): the weights are read and decoded once
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     live = rows < N
     lane = tl.arange(0, 16)
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc0 = tl.zeros((BLOCK_N,), dtype=tl.float32)             # one sum a row
+    acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc4 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc5 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc6 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc7 = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for kb in range(0, NB):
         d = tl.load(d_ptr + rows * NB + kb, mask=live, other=0.0).to(tl.float32)
-        if KIND == 2:                                          # Q8_0: two halves of 16 int8 codes
-            for h in tl.static_range(2):
-                q = tl.load(qs_ptr + rows[:, None] * K + kb * 32 + h * 16 + lane[None, :], mask=live[:, None],
-                            other=0).to(tl.float32)
-                x = tl.load(x_ptr + m * K + kb * 32 + h * 16 + lane).to(tl.float32)
-                acc += tl.sum((q * d[:, None]) * x[None, :], axis=1)
-        else:                                                  # Q4_0 / Q5_0: low nibbles, then high ones
+        if KIND != 2:
             b = tl.load(qs_ptr + rows[:, None] * (NB * 16) + kb * 16 + lane[None, :], mask=live[:, None], other=0)
             if KIND == 1:
                 qh = tl.load(qh_ptr + rows * NB + kb, mask=live, other=0)
-            for h in tl.static_range(2):
+        for h in tl.static_range(2):
+            if KIND == 2:                                      # Q8_0: two halves of 16 int8 codes
+                code = tl.load(qs_ptr + rows[:, None] * K + kb * 32 + h * 16 + lane[None, :], mask=live[:, None],
+                               other=0).to(tl.float32)
+            else:                                              # Q4_0 / Q5_0: low nibbles, then high ones
                 q = (b >> (4 * h)) & 15
                 if KIND == 1:
                     q = q | (((qh[:, None] >> (lane[None, :] + 16 * h)) & 1) << 4)
                     code = q.to(tl.float32) - 16.0
                 else:
                     code = q.to(tl.float32) - 8.0
-                x = tl.load(x_ptr + m * K + kb * 32 + h * 16 + lane).to(tl.float32)
-                acc += tl.sum((code * d[:, None]) * x[None, :], axis=1)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rows, mask=live, other=0.0)
-    tl.store(y_ptr + m * Y_STRIDE + rows, acc, mask=live)
+            wd = code * d[:, None]
+            at = kb * 32 + h * 16 + lane
+            acc0 += _row(x_ptr + m0 * K, at, lane >= 0, wd)
+            if ROWS > 1:
+                acc1 += _row(x_ptr + (m0 + 1) * K, at, lane * 0 + m0 + 1 < M, wd)
+            if ROWS > 2:
+                acc2 += _row(x_ptr + (m0 + 2) * K, at, lane * 0 + m0 + 2 < M, wd)
+            if ROWS > 3:
+                acc3 += _row(x_ptr + (m0 + 3) * K, at, lane * 0 + m0 + 3 < M, wd)
+            if ROWS > 4:
+                acc4 += _row(x_ptr + (m0 + 4) * K, at, lane * 0 + m0 + 4 < M, wd)
+            if ROWS > 5:
+                acc5 += _row(x_ptr + (m0 + 5) * K, at, lane * 0 + m0 + 5 < M, wd)
+            if ROWS > 6:
+                acc6 += _row(x_ptr + (m0 + 6) * K, at, lane * 0 + m0 + 6 < M, wd)
+            if ROWS > 7:
+                acc7 += _row(x_ptr + (m0 + 7) * K, at, lane * 0 + m0 + 7 < M, wd)
+    store_rows(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, y_ptr + rows, live, m0, M, Y_STRIDE, ROWS, HAS_BIAS,
+               b_ptr + rows, False)
 
 
 def launch(x: torch.Tensor, w: Blocks32Weight, y: torch.Tensor, block_n: int, bias: torch.Tensor | None = None,
            sb: int = 1) -> None:
     """y [M, N] (rows y.stride(0) apart) = x W^T (+ bias); sb: unused (one block a step)."""
     n, k = w.shape
-    grid = (x.shape[0], triton.cdiv(n, block_n))
+    r = rows_a_program(x.shape[0])
+    grid = (triton.cdiv(x.shape[0], r), triton.cdiv(n, block_n))
     qh = w.qh if w.qh is not None else w.d                   # unread unless Q5_0
-    _blocks32_matvec[grid](x, w.d, w.qs, qh, y if bias is None else bias, y, n, k, k // 32, y.stride(0),
-                           KIND=KIND[w.kind], BLOCK_N=block_n, HAS_BIAS=bias is not None)
+    _blocks32_matvec[grid](x, w.d, w.qs, qh, y if bias is None else bias, y, x.shape[0], n, k, k // 32, y.stride(0),
+                           KIND=KIND[w.kind], BLOCK_N=block_n, ROWS=r, HAS_BIAS=bias is not None)

@@ -10,8 +10,8 @@ them into floats), and the four words of a sub-block meet x at four consecutive 
 vector load of x for four words.
 
 The kernel (`launch`, called by jllm.cuda.matvec) computes each output y[m, n] from its own row x[m] only,
-with one fixed order of operations whatever the number of rows M: one program per (one row of x, BLOCK_N
-outputs), a loop over the super-blocks, SB of them a step; per word the eight codes' products with x summed
+with one fixed order of operations whatever the number of rows M: one program per (up to 8 rows of x, each
+with its own sums: jllm.cuda.rows; BLOCK_N outputs), a loop over the super-blocks, SB of them a step; per word the eight codes' products with x summed
 into the word's own float32 sum, then d * scale * that - dmin * min * (x's sum over the word's positions), the
 dequantized weights' dot product factored. So a verify pass over k + 1 rows gives each row the logits of a
 pass over that row alone, bit for bit, which exact speculation on the GPU needs (tests/test_cuda_matvec.py).
@@ -31,6 +31,7 @@ from gguf import GGMLQuantizationType as T
 
 from jllm.cuda.codes import ASM, as_float, byte_floats, warps
 from jllm.cuda.layout import file_blocks, nbytes
+from jllm.cuda.rows import rows_a_program, store_rows
 from jllm.gguf.quants import k_scale_codes
 
 
@@ -72,17 +73,56 @@ def pack_codes(qs: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _q4_k_matvec(x_ptr, qs_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, b_ptr, y_ptr, N, K, NB, Y_STRIDE,
-                 NB_PART, P_STRIDE, BLOCK_N: tl.constexpr, SB: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 USE_ASM: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr):
-    m = tl.program_id(0)                  # the rows of one block of outputs run side by side: its weights
-    pid_n = tl.program_id(1)              # are read from memory once, the other rows find them in L2
+def _q4_k_row(x_ptr, xo, ok, f0, f1, f2, f3, f4, f5, f6, f7, dsc, dmm):
+    """One row's part of a step: the eight code slots' floats f0..f7 [BN, S, 4] (slot j of word t: weight
+    4j + t of its sub-block, for j < 4; 16 + 4(j - 4) + t after) against x at offsets xo [S, 4] -> the step's
+    addition to the row's sums. The same operations in the same order for every row: a row's sum never
+    depends on the rows beside it in the program."""
+    xs = tl.load(x_ptr + xo, mask=ok, other=0.0)
+    sw = f0 * xs[None, :, :]
+    xj = tl.load(x_ptr + xo + 4, mask=ok, other=0.0)
+    xs += xj
+    sw += f1 * xj[None, :, :]
+    xj = tl.load(x_ptr + xo + 8, mask=ok, other=0.0)
+    xs += xj
+    sw += f2 * xj[None, :, :]
+    xj = tl.load(x_ptr + xo + 12, mask=ok, other=0.0)
+    xs += xj
+    sw += f3 * xj[None, :, :]
+    xj = tl.load(x_ptr + xo + 16, mask=ok, other=0.0)
+    xs += xj
+    sw += f4 * xj[None, :, :]
+    xj = tl.load(x_ptr + xo + 20, mask=ok, other=0.0)
+    xs += xj
+    sw += f5 * xj[None, :, :]
+    xj = tl.load(x_ptr + xo + 24, mask=ok, other=0.0)
+    xs += xj
+    sw += f6 * xj[None, :, :]
+    xj = tl.load(x_ptr + xo + 28, mask=ok, other=0.0)
+    xs += xj
+    sw += f7 * xj[None, :, :]
+    return dsc[:, :, None] * sw - dmm[:, :, None] * xs[None, :, :]
+
+
+@triton.jit
+def _q4_k_matvec(x_ptr, qs_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, b_ptr, y_ptr, M, N, K, NB, Y_STRIDE,
+                 NB_PART, P_STRIDE, BLOCK_N: tl.constexpr, SB: tl.constexpr, ROWS: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr):
+    m0 = tl.program_id(0) * ROWS          # rows m0 .. m0 + ROWS - 1 of x (those below M) share the program: the
+    pid_n = tl.program_id(1)              # weights are read and unpacked once for all of them
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     live = rows < N
     S: tl.constexpr = 8 * SB              # sub-blocks of 32 weights a step
     s = tl.arange(0, S)
     t = tl.arange(0, 4)                   # a sub-block's four words
-    acc = tl.zeros((BLOCK_N, S, 4), dtype=tl.float32)
+    acc0 = tl.zeros((BLOCK_N, S, 4), dtype=tl.float32)    # one sum per row (at most ROWS_MAX): each row's
+    acc1 = tl.zeros((BLOCK_N, S, 4), dtype=tl.float32)    # operations are the one-row program's, in its order
+    acc2 = tl.zeros((BLOCK_N, S, 4), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, S, 4), dtype=tl.float32)
+    acc4 = tl.zeros((BLOCK_N, S, 4), dtype=tl.float32)
+    acc5 = tl.zeros((BLOCK_N, S, 4), dtype=tl.float32)
+    acc6 = tl.zeros((BLOCK_N, S, 4), dtype=tl.float32)
+    acc7 = tl.zeros((BLOCK_N, S, 4), dtype=tl.float32)
     part = tl.program_id(2)               # this program's share of the row: super-blocks part * NB_PART on
     end = tl.minimum(NB, (part + 1) * NB_PART) * 8
     for kb in tl.range(0, tl.cdiv(NB_PART, SB), num_stages=STAGES):   # STAGES > 1: later steps in flight
@@ -91,30 +131,41 @@ def _q4_k_matvec(x_ptr, qs_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, b_ptr, y_ptr, N
         m2 = (live[:, None] & ok[None, :]) | EVEN              # EVEN: the tiles fill the matrix, no masks
         q = tl.load(qs_ptr + rows[:, None, None] * (NB * 32) + sub[None, :, None] * 4 + t[None, None, :],
                     mask=m2[:, :, None], other=0)                                   # int32 [BN, S, 4]
-        xo = m * K + sub[:, None] * 32 + t[None, :]             # slot j of word t: weight 4j + t
         lo = byte_floats(q & 0x0F0F0F0F, USE_ASM)               # slots 0..3
         hi = byte_floats((q >> 4) & 0x0F0F0F0F, USE_ASM)        # slots 4..7
-        xs = tl.load(x_ptr + xo, mask=ok[:, None], other=0.0)
-        sw = as_float(lo[0], 0.0) * xs[None, :, :]
-        for j in tl.static_range(1, 4):
-            xj = tl.load(x_ptr + xo + 4 * j, mask=ok[:, None], other=0.0)
-            xs += xj
-            sw += as_float(lo[j], 0.0) * xj[None, :, :]
-        for j in tl.static_range(4):
-            xj = tl.load(x_ptr + xo + 16 + 4 * j, mask=ok[:, None], other=0.0)
-            xs += xj
-            sw += as_float(hi[j], 0.0) * xj[None, :, :]
+        f0, f1, f2, f3 = as_float(lo[0], 0.0), as_float(lo[1], 0.0), as_float(lo[2], 0.0), as_float(lo[3], 0.0)
+        f4, f5, f6, f7 = as_float(hi[0], 0.0), as_float(hi[1], 0.0), as_float(hi[2], 0.0), as_float(hi[3], 0.0)
         meta = rows[:, None] * (NB * 8) + sub[None, :]
         sc = tl.load(sc_ptr + meta, mask=m2, other=0).to(tl.float32)
         mn = tl.load(mn_ptr + meta, mask=m2, other=0).to(tl.float32)
         blk = rows[:, None] * NB + sub[None, :] // 8
-        d = tl.load(d_ptr + blk, mask=m2, other=0.0).to(tl.float32)
-        dmin = tl.load(dmin_ptr + blk, mask=m2, other=0.0).to(tl.float32)
-        acc += (d * sc)[:, :, None] * sw - (dmin * mn)[:, :, None] * xs[None, :, :]
-    y = tl.sum(tl.sum(acc, axis=2), axis=1)
-    if HAS_BIAS:
-        y += tl.load(b_ptr + rows, mask=live, other=0.0)
-    tl.store(y_ptr + m * Y_STRIDE + part * P_STRIDE + rows, y, mask=live)
+        dsc = tl.load(d_ptr + blk, mask=m2, other=0.0).to(tl.float32) * sc
+        dmm = tl.load(dmin_ptr + blk, mask=m2, other=0.0).to(tl.float32) * mn
+        xo = sub[:, None] * 32 + t[None, :]                     # slot j of word t: weight 4j + t (+ 16)
+        acc0 += _q4_k_row(x_ptr + m0 * K, xo, ok[:, None], f0, f1, f2, f3, f4, f5, f6, f7, dsc, dmm)
+        if ROWS > 1:
+            acc1 += _q4_k_row(x_ptr + (m0 + 1) * K, xo, ok[:, None] & (xo * 0 + m0 + 1 < M), f0, f1, f2, f3, f4, f5, f6, f7,
+                              dsc, dmm)
+        if ROWS > 2:
+            acc2 += _q4_k_row(x_ptr + (m0 + 2) * K, xo, ok[:, None] & (xo * 0 + m0 + 2 < M), f0, f1, f2, f3, f4, f5, f6, f7,
+                              dsc, dmm)
+        if ROWS > 3:
+            acc3 += _q4_k_row(x_ptr + (m0 + 3) * K, xo, ok[:, None] & (xo * 0 + m0 + 3 < M), f0, f1, f2, f3, f4, f5, f6, f7,
+                              dsc, dmm)
+        if ROWS > 4:
+            acc4 += _q4_k_row(x_ptr + (m0 + 4) * K, xo, ok[:, None] & (xo * 0 + m0 + 4 < M), f0, f1, f2, f3, f4, f5, f6, f7,
+                              dsc, dmm)
+        if ROWS > 5:
+            acc5 += _q4_k_row(x_ptr + (m0 + 5) * K, xo, ok[:, None] & (xo * 0 + m0 + 5 < M), f0, f1, f2, f3, f4, f5, f6, f7,
+                              dsc, dmm)
+        if ROWS > 6:
+            acc6 += _q4_k_row(x_ptr + (m0 + 6) * K, xo, ok[:, None] & (xo * 0 + m0 + 6 < M), f0, f1, f2, f3, f4, f5, f6, f7,
+                              dsc, dmm)
+        if ROWS > 7:
+            acc7 += _q4_k_row(x_ptr + (m0 + 7) * K, xo, ok[:, None] & (xo * 0 + m0 + 7 < M), f0, f1, f2, f3, f4, f5, f6, f7,
+                              dsc, dmm)
+    store_rows(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, y_ptr + part * P_STRIDE + rows, live, m0, M,
+               Y_STRIDE, ROWS, HAS_BIAS, b_ptr + rows, True)
 
 
 def launch(x: torch.Tensor, w: Q4KWeight, y: torch.Tensor, block_n: int, bias: torch.Tensor | None = None,
@@ -124,10 +175,11 @@ def launch(x: torch.Tensor, w: Q4KWeight, y: torch.Tensor, block_n: int, bias: t
     n, k = w.shape
     nb = w.d.shape[1]
     part = -(-nb // split)
-    grid = (x.shape[0], triton.cdiv(n, block_n), split)
-    _q4_k_matvec[grid](x, w.qs.view(torch.int32), w.d, w.dmin, w.sc, w.mn, y if bias is None else bias, y, n, k,
-                       nb, y.stride(-2), part, y.stride(0) if split > 1 else 0, BLOCK_N=block_n, SB=sb,
-                       HAS_BIAS=bias is not None, USE_ASM=ASM,
+    r = rows_a_program(x.shape[0])
+    grid = (triton.cdiv(x.shape[0], r), triton.cdiv(n, block_n), split)
+    _q4_k_matvec[grid](x, w.qs.view(torch.int32), w.d, w.dmin, w.sc, w.mn, y if bias is None else bias, y,
+                       x.shape[0], n, k, nb, y.stride(-2), part, y.stride(0) if split > 1 else 0, BLOCK_N=block_n,
+                       SB=sb, ROWS=r, HAS_BIAS=bias is not None, USE_ASM=ASM,
                        EVEN=n % block_n == 0 and part % sb == 0 and part * split == nb, STAGES=stages,
                        num_warps=warps(block_n, sb))
 

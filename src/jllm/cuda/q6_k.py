@@ -23,6 +23,7 @@ from gguf import GGMLQuantizationType as T
 
 from jllm.cuda.codes import ASM, as_float, byte_floats, warps
 from jllm.cuda.layout import file_blocks, nbytes
+from jllm.cuda.rows import rows_a_program, store_rows
 
 
 @dataclass
@@ -70,17 +71,40 @@ def _six_bits(q, h):
 
 
 @triton.jit
-def _q6_k_matvec(x_ptr, ql_ptr, qh_ptr, sc_ptr, d_ptr, b_ptr, y_ptr, N, K, NB, Y_STRIDE,
-                 NB_PART, P_STRIDE, BLOCK_N: tl.constexpr, SB: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 USE_ASM: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr):
-    m = tl.program_id(0)                  # the rows of one block of outputs run side by side: its weights
-    pid_n = tl.program_id(1)              # are read from memory once, the other rows find them in L2
+def _q6_k_row(x_ptr, xo, ok, f0, f1, f2, f3, f4, f5, f6, f7, dsc):
+    """One row's part of a step: the eight code slots' floats f0..f7 [BN, G, 2] (slot j of word t: weight 2j + t
+    of its group, for j < 4; 8 + 2(j - 4) + t after) against x at offsets xo [G, 2] -> the step's addition to
+    the row's sums, in the same order for every row (jllm.cuda.rows)."""
+    sw = f0 * tl.load(x_ptr + xo, mask=ok, other=0.0)[None, :, :]
+    sw += f1 * tl.load(x_ptr + xo + 2, mask=ok, other=0.0)[None, :, :]
+    sw += f2 * tl.load(x_ptr + xo + 4, mask=ok, other=0.0)[None, :, :]
+    sw += f3 * tl.load(x_ptr + xo + 6, mask=ok, other=0.0)[None, :, :]
+    sw += f4 * tl.load(x_ptr + xo + 8, mask=ok, other=0.0)[None, :, :]
+    sw += f5 * tl.load(x_ptr + xo + 10, mask=ok, other=0.0)[None, :, :]
+    sw += f6 * tl.load(x_ptr + xo + 12, mask=ok, other=0.0)[None, :, :]
+    sw += f7 * tl.load(x_ptr + xo + 14, mask=ok, other=0.0)[None, :, :]
+    return dsc[:, :, None] * sw
+
+
+@triton.jit
+def _q6_k_matvec(x_ptr, ql_ptr, qh_ptr, sc_ptr, d_ptr, b_ptr, y_ptr, M, N, K, NB, Y_STRIDE,
+                 NB_PART, P_STRIDE, BLOCK_N: tl.constexpr, SB: tl.constexpr, ROWS: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr):
+    m0 = tl.program_id(0) * ROWS          # rows m0 .. m0 + ROWS - 1 of x (those below M) share the program
+    pid_n = tl.program_id(1)              # (jllm.cuda.rows): the weights are read and unpacked once
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     live = rows < N
     G: tl.constexpr = 16 * SB             # groups of 16 weights (one scale each) a step
     g = tl.arange(0, G)
     t = tl.arange(0, 2)                   # a group's two ql words
-    acc = tl.zeros((BLOCK_N, G, 2), dtype=tl.float32)
+    acc0 = tl.zeros((BLOCK_N, G, 2), dtype=tl.float32)    # one sum a row
+    acc1 = tl.zeros((BLOCK_N, G, 2), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, G, 2), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, G, 2), dtype=tl.float32)
+    acc4 = tl.zeros((BLOCK_N, G, 2), dtype=tl.float32)
+    acc5 = tl.zeros((BLOCK_N, G, 2), dtype=tl.float32)
+    acc6 = tl.zeros((BLOCK_N, G, 2), dtype=tl.float32)
+    acc7 = tl.zeros((BLOCK_N, G, 2), dtype=tl.float32)
     part = tl.program_id(2)               # this program's share of the row: super-blocks part * NB_PART on
     end = tl.minimum(NB, (part + 1) * NB_PART) * 16
     for kb in tl.range(0, tl.cdiv(NB_PART, SB), num_stages=STAGES):   # STAGES > 1: later steps in flight
@@ -93,19 +117,35 @@ def _q6_k_matvec(x_ptr, ql_ptr, qh_ptr, sc_ptr, d_ptr, b_ptr, y_ptr, N, K, NB, Y
         lo6, hi6 = _six_bits(q, h[:, :, None] >> (4 * t)[None, None, :])
         lo = byte_floats(lo6, USE_ASM)
         hi = byte_floats(hi6, USE_ASM)
-        xo = m * K + grp[:, None] * 16 + t[None, :]             # slot j of word t: weight 2j + t
-        sw = as_float(lo[0], 32.0) * tl.load(x_ptr + xo, mask=ok[:, None], other=0.0)[None, :, :]
-        for j in tl.static_range(1, 4):
-            sw += as_float(lo[j], 32.0) * tl.load(x_ptr + xo + 2 * j, mask=ok[:, None], other=0.0)[None, :, :]
-        for j in tl.static_range(4):
-            sw += as_float(hi[j], 32.0) * tl.load(x_ptr + xo + 8 + 2 * j, mask=ok[:, None], other=0.0)[None, :, :]
+        f0, f1, f2, f3 = as_float(lo[0], 32.0), as_float(lo[1], 32.0), as_float(lo[2], 32.0), as_float(lo[3], 32.0)
+        f4, f5, f6, f7 = as_float(hi[0], 32.0), as_float(hi[1], 32.0), as_float(hi[2], 32.0), as_float(hi[3], 32.0)
         sc = tl.load(sc_ptr + rows[:, None] * (NB * 16) + grp[None, :], mask=m2, other=0).to(tl.float32)
-        d = tl.load(d_ptr + rows[:, None] * NB + grp[None, :] // 16, mask=m2, other=0.0).to(tl.float32)
-        acc += (d * sc)[:, :, None] * sw
-    y = tl.sum(tl.sum(acc, axis=2), axis=1)
-    if HAS_BIAS:
-        y += tl.load(b_ptr + rows, mask=live, other=0.0)
-    tl.store(y_ptr + m * Y_STRIDE + part * P_STRIDE + rows, y, mask=live)
+        dsc = tl.load(d_ptr + rows[:, None] * NB + grp[None, :] // 16, mask=m2, other=0.0).to(tl.float32) * sc
+        xo = grp[:, None] * 16 + t[None, :]                     # slot j of word t: weight 2j + t (+ 8)
+        acc0 += _q6_k_row(x_ptr + m0 * K, xo, ok[:, None], f0, f1, f2, f3, f4, f5, f6, f7, dsc)
+        if ROWS > 1:
+            acc1 += _q6_k_row(x_ptr + (m0 + 1) * K, xo, ok[:, None] & (xo * 0 + m0 + 1 < M), f0, f1, f2, f3, f4, f5,
+                              f6, f7, dsc)
+        if ROWS > 2:
+            acc2 += _q6_k_row(x_ptr + (m0 + 2) * K, xo, ok[:, None] & (xo * 0 + m0 + 2 < M), f0, f1, f2, f3, f4, f5,
+                              f6, f7, dsc)
+        if ROWS > 3:
+            acc3 += _q6_k_row(x_ptr + (m0 + 3) * K, xo, ok[:, None] & (xo * 0 + m0 + 3 < M), f0, f1, f2, f3, f4, f5,
+                              f6, f7, dsc)
+        if ROWS > 4:
+            acc4 += _q6_k_row(x_ptr + (m0 + 4) * K, xo, ok[:, None] & (xo * 0 + m0 + 4 < M), f0, f1, f2, f3, f4, f5,
+                              f6, f7, dsc)
+        if ROWS > 5:
+            acc5 += _q6_k_row(x_ptr + (m0 + 5) * K, xo, ok[:, None] & (xo * 0 + m0 + 5 < M), f0, f1, f2, f3, f4, f5,
+                              f6, f7, dsc)
+        if ROWS > 6:
+            acc6 += _q6_k_row(x_ptr + (m0 + 6) * K, xo, ok[:, None] & (xo * 0 + m0 + 6 < M), f0, f1, f2, f3, f4, f5,
+                              f6, f7, dsc)
+        if ROWS > 7:
+            acc7 += _q6_k_row(x_ptr + (m0 + 7) * K, xo, ok[:, None] & (xo * 0 + m0 + 7 < M), f0, f1, f2, f3, f4, f5,
+                              f6, f7, dsc)
+    store_rows(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, y_ptr + part * P_STRIDE + rows, live, m0, M,
+               Y_STRIDE, ROWS, HAS_BIAS, b_ptr + rows, True)
 
 
 def launch(x: torch.Tensor, w: Q6KWeight, y: torch.Tensor, block_n: int, bias: torch.Tensor | None = None,
@@ -114,10 +154,11 @@ def launch(x: torch.Tensor, w: Q6KWeight, y: torch.Tensor, block_n: int, bias: t
     n, k = w.shape
     nb = w.d.shape[1]
     part = -(-nb // split)
-    grid = (x.shape[0], triton.cdiv(n, block_n), split)
+    r = rows_a_program(x.shape[0])
+    grid = (triton.cdiv(x.shape[0], r), triton.cdiv(n, block_n), split)
     _q6_k_matvec[grid](x, w.ql.view(torch.int32), w.qh.view(torch.int32), w.sc, w.d, y if bias is None else bias,
-                       y, n, k, nb, y.stride(-2), part, y.stride(0) if split > 1 else 0, BLOCK_N=block_n, SB=sb,
-                       HAS_BIAS=bias is not None, USE_ASM=ASM,
+                       y, x.shape[0], n, k, nb, y.stride(-2), part, y.stride(0) if split > 1 else 0, BLOCK_N=block_n,
+                       SB=sb, ROWS=r, HAS_BIAS=bias is not None, USE_ASM=ASM,
                        EVEN=n % block_n == 0 and part % sb == 0 and part * split == nb, STAGES=stages,
                        num_warps=warps(block_n, sb))
 
