@@ -24,7 +24,7 @@ from triton.compiler import ASTSource
 
 from jllm.cuda import q4_k, q6_k
 
-_COMMON = {"b_ptr": "*fp32", "y_ptr": "*fp32", "N": "i32", "K": "i32", "NB": "i32", "Y_STRIDE": "i32",
+_COMMON = {"b_ptr": "*fp32", "y_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "NB": "i32", "Y_STRIDE": "i32",
            "NB_PART": "i32", "P_STRIDE": "i32"}
 # kernel, its pointer arguments' types, weights a program's step covers per output (SB = 1)
 KERNELS = {"q4_k": (q4_k._q4_k_matvec, {"x_ptr": "*fp32", "qs_ptr": "*i32", "d_ptr": "*fp16", "dmin_ptr": "*fp16",
@@ -41,6 +41,7 @@ def main() -> None:
     ap.add_argument("--sb", type=int, default=1)
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=1, help="steps of loads in flight (num_stages)")
+    ap.add_argument("--rows", type=int, default=1, help="rows of x a program (jllm.cuda.rows)")
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--no-asm", action="store_true", help="the interpreter's shifts and masks instead of prmt")
     ap.add_argument("--file", help="the kernel from another copy of its module (an experiment)")
@@ -57,7 +58,7 @@ def main() -> None:
     sig = {**ptrs, **_COMMON}
     sig = {name: sig[name] for name in fn.arg_names if name in sig}
     consts = {"BLOCK_N": a.block_n, "SB": a.sb, "HAS_BIAS": False, "USE_ASM": not a.no_asm, "EVEN": not a.ragged,
-              "STAGES": a.stages}
+              "STAGES": a.stages, "ROWS": a.rows}
     sig.update({c: "constexpr" for c in consts})
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
              for n, ty in sig.items() if ty.startswith("*") or n in DIVISIBLE}

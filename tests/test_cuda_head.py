@@ -60,6 +60,26 @@ def test_a_blocks_head_is_row_exact_and_close_to_the_head_in_f32(files):
     assert torch.equal(full[head._d2t_here], whole.logits)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_the_heads_passes_replay_as_cuda_graphs_bitwise_the_eager_ones(files):
+    ref, target_path, head_path = files
+    model = load_model(target_path, device=DEV, precision="blocks", max_positions=64, cache_weights=False)
+    head = Eagle3Head.load(head_path, model, use_cache=False)
+    assert head.graphs is not None
+    tokens = [5, 77, 260, 9, 130, 41, 3]
+    _, hidden = model.forward(torch.tensor(tokens), model.new_cache(64), capture=head.target_layers)
+    runs = []
+    for _ in range(3):                                      # the first call captures, the others replay
+        head.truncate(0)
+        whole = head.prefill(hidden[:6], tokens[1:7])
+        runs.append((whole, head.step(11, whole.state), head.step(12, whole.state)))
+    assert head.graphs.count() == 2                         # a pass of 6 rows, and of 1
+    for whole, a, b in runs[1:]:
+        assert torch.equal(whole.logits, runs[0][0].logits) and torch.equal(whole.state, runs[0][0].state)
+        assert torch.equal(a.logits, runs[0][1].logits) and torch.equal(b.logits, runs[0][2].logits)
+    assert not torch.equal(runs[0][1].logits, runs[0][2].logits)
+
+
 def test_a_blocks_head_needs_a_blocks_target(files):
     _, target_path, head_path = files
     model = load_model(target_path, device="cpu", precision="exact", max_positions=64, cache_weights=False)

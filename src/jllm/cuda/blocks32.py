@@ -99,19 +99,19 @@ def _blocks32_matvec(x_ptr, d_ptr, qs_ptr, qh_ptr, b_ptr, y_ptr, M, N, K, NB, Y_
             at = kb * 32 + h * 16 + lane
             acc0 += _row(x_ptr + m0 * K, at, lane >= 0, wd)
             if ROWS > 1:
-                acc1 += _row(x_ptr + (m0 + 1) * K, at, lane * 0 + m0 + 1 < M, wd)
+                acc1 += _row(x_ptr + tl.minimum(m0 + 1, M - 1) * K, at, lane >= 0, wd)
             if ROWS > 2:
-                acc2 += _row(x_ptr + (m0 + 2) * K, at, lane * 0 + m0 + 2 < M, wd)
+                acc2 += _row(x_ptr + tl.minimum(m0 + 2, M - 1) * K, at, lane >= 0, wd)
             if ROWS > 3:
-                acc3 += _row(x_ptr + (m0 + 3) * K, at, lane * 0 + m0 + 3 < M, wd)
+                acc3 += _row(x_ptr + tl.minimum(m0 + 3, M - 1) * K, at, lane >= 0, wd)
             if ROWS > 4:
-                acc4 += _row(x_ptr + (m0 + 4) * K, at, lane * 0 + m0 + 4 < M, wd)
+                acc4 += _row(x_ptr + tl.minimum(m0 + 4, M - 1) * K, at, lane >= 0, wd)
             if ROWS > 5:
-                acc5 += _row(x_ptr + (m0 + 5) * K, at, lane * 0 + m0 + 5 < M, wd)
+                acc5 += _row(x_ptr + tl.minimum(m0 + 5, M - 1) * K, at, lane >= 0, wd)
             if ROWS > 6:
-                acc6 += _row(x_ptr + (m0 + 6) * K, at, lane * 0 + m0 + 6 < M, wd)
+                acc6 += _row(x_ptr + tl.minimum(m0 + 6, M - 1) * K, at, lane >= 0, wd)
             if ROWS > 7:
-                acc7 += _row(x_ptr + (m0 + 7) * K, at, lane * 0 + m0 + 7 < M, wd)
+                acc7 += _row(x_ptr + tl.minimum(m0 + 7, M - 1) * K, at, lane >= 0, wd)
     store_rows(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, y_ptr + rows, live, m0, M, Y_STRIDE, ROWS, HAS_BIAS,
                b_ptr + rows, False)
 

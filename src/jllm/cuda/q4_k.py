@@ -144,25 +144,25 @@ def _q4_k_matvec(x_ptr, qs_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, b_ptr, y_ptr, M
         xo = sub[:, None] * 32 + t[None, :]                     # slot j of word t: weight 4j + t (+ 16)
         acc0 += _q4_k_row(x_ptr + m0 * K, xo, ok[:, None], f0, f1, f2, f3, f4, f5, f6, f7, dsc, dmm)
         if ROWS > 1:
-            acc1 += _q4_k_row(x_ptr + (m0 + 1) * K, xo, ok[:, None] & (xo * 0 + m0 + 1 < M), f0, f1, f2, f3, f4, f5, f6, f7,
+            acc1 += _q4_k_row(x_ptr + tl.minimum(m0 + 1, M - 1) * K, xo, ok[:, None], f0, f1, f2, f3, f4, f5, f6, f7,
                               dsc, dmm)
         if ROWS > 2:
-            acc2 += _q4_k_row(x_ptr + (m0 + 2) * K, xo, ok[:, None] & (xo * 0 + m0 + 2 < M), f0, f1, f2, f3, f4, f5, f6, f7,
+            acc2 += _q4_k_row(x_ptr + tl.minimum(m0 + 2, M - 1) * K, xo, ok[:, None], f0, f1, f2, f3, f4, f5, f6, f7,
                               dsc, dmm)
         if ROWS > 3:
-            acc3 += _q4_k_row(x_ptr + (m0 + 3) * K, xo, ok[:, None] & (xo * 0 + m0 + 3 < M), f0, f1, f2, f3, f4, f5, f6, f7,
+            acc3 += _q4_k_row(x_ptr + tl.minimum(m0 + 3, M - 1) * K, xo, ok[:, None], f0, f1, f2, f3, f4, f5, f6, f7,
                               dsc, dmm)
         if ROWS > 4:
-            acc4 += _q4_k_row(x_ptr + (m0 + 4) * K, xo, ok[:, None] & (xo * 0 + m0 + 4 < M), f0, f1, f2, f3, f4, f5, f6, f7,
+            acc4 += _q4_k_row(x_ptr + tl.minimum(m0 + 4, M - 1) * K, xo, ok[:, None], f0, f1, f2, f3, f4, f5, f6, f7,
                               dsc, dmm)
         if ROWS > 5:
-            acc5 += _q4_k_row(x_ptr + (m0 + 5) * K, xo, ok[:, None] & (xo * 0 + m0 + 5 < M), f0, f1, f2, f3, f4, f5, f6, f7,
+            acc5 += _q4_k_row(x_ptr + tl.minimum(m0 + 5, M - 1) * K, xo, ok[:, None], f0, f1, f2, f3, f4, f5, f6, f7,
                               dsc, dmm)
         if ROWS > 6:
-            acc6 += _q4_k_row(x_ptr + (m0 + 6) * K, xo, ok[:, None] & (xo * 0 + m0 + 6 < M), f0, f1, f2, f3, f4, f5, f6, f7,
+            acc6 += _q4_k_row(x_ptr + tl.minimum(m0 + 6, M - 1) * K, xo, ok[:, None], f0, f1, f2, f3, f4, f5, f6, f7,
                               dsc, dmm)
         if ROWS > 7:
-            acc7 += _q4_k_row(x_ptr + (m0 + 7) * K, xo, ok[:, None] & (xo * 0 + m0 + 7 < M), f0, f1, f2, f3, f4, f5, f6, f7,
+            acc7 += _q4_k_row(x_ptr + tl.minimum(m0 + 7, M - 1) * K, xo, ok[:, None], f0, f1, f2, f3, f4, f5, f6, f7,
                               dsc, dmm)
     store_rows(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, y_ptr + part * P_STRIDE + rows, live, m0, M,
                Y_STRIDE, ROWS, HAS_BIAS, b_ptr + rows, True)

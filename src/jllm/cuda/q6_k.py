@@ -124,25 +124,25 @@ def _q6_k_matvec(x_ptr, ql_ptr, qh_ptr, sc_ptr, d_ptr, b_ptr, y_ptr, M, N, K, NB
         xo = grp[:, None] * 16 + t[None, :]                     # slot j of word t: weight 2j + t (+ 8)
         acc0 += _q6_k_row(x_ptr + m0 * K, xo, ok[:, None], f0, f1, f2, f3, f4, f5, f6, f7, dsc)
         if ROWS > 1:
-            acc1 += _q6_k_row(x_ptr + (m0 + 1) * K, xo, ok[:, None] & (xo * 0 + m0 + 1 < M), f0, f1, f2, f3, f4, f5,
+            acc1 += _q6_k_row(x_ptr + tl.minimum(m0 + 1, M - 1) * K, xo, ok[:, None], f0, f1, f2, f3, f4, f5,
                               f6, f7, dsc)
         if ROWS > 2:
-            acc2 += _q6_k_row(x_ptr + (m0 + 2) * K, xo, ok[:, None] & (xo * 0 + m0 + 2 < M), f0, f1, f2, f3, f4, f5,
+            acc2 += _q6_k_row(x_ptr + tl.minimum(m0 + 2, M - 1) * K, xo, ok[:, None], f0, f1, f2, f3, f4, f5,
                               f6, f7, dsc)
         if ROWS > 3:
-            acc3 += _q6_k_row(x_ptr + (m0 + 3) * K, xo, ok[:, None] & (xo * 0 + m0 + 3 < M), f0, f1, f2, f3, f4, f5,
+            acc3 += _q6_k_row(x_ptr + tl.minimum(m0 + 3, M - 1) * K, xo, ok[:, None], f0, f1, f2, f3, f4, f5,
                               f6, f7, dsc)
         if ROWS > 4:
-            acc4 += _q6_k_row(x_ptr + (m0 + 4) * K, xo, ok[:, None] & (xo * 0 + m0 + 4 < M), f0, f1, f2, f3, f4, f5,
+            acc4 += _q6_k_row(x_ptr + tl.minimum(m0 + 4, M - 1) * K, xo, ok[:, None], f0, f1, f2, f3, f4, f5,
                               f6, f7, dsc)
         if ROWS > 5:
-            acc5 += _q6_k_row(x_ptr + (m0 + 5) * K, xo, ok[:, None] & (xo * 0 + m0 + 5 < M), f0, f1, f2, f3, f4, f5,
+            acc5 += _q6_k_row(x_ptr + tl.minimum(m0 + 5, M - 1) * K, xo, ok[:, None], f0, f1, f2, f3, f4, f5,
                               f6, f7, dsc)
         if ROWS > 6:
-            acc6 += _q6_k_row(x_ptr + (m0 + 6) * K, xo, ok[:, None] & (xo * 0 + m0 + 6 < M), f0, f1, f2, f3, f4, f5,
+            acc6 += _q6_k_row(x_ptr + tl.minimum(m0 + 6, M - 1) * K, xo, ok[:, None], f0, f1, f2, f3, f4, f5,
                               f6, f7, dsc)
         if ROWS > 7:
-            acc7 += _q6_k_row(x_ptr + (m0 + 7) * K, xo, ok[:, None] & (xo * 0 + m0 + 7 < M), f0, f1, f2, f3, f4, f5,
+            acc7 += _q6_k_row(x_ptr + tl.minimum(m0 + 7, M - 1) * K, xo, ok[:, None], f0, f1, f2, f3, f4, f5,
                               f6, f7, dsc)
     store_rows(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, y_ptr + part * P_STRIDE + rows, live, m0, M,
                Y_STRIDE, ROWS, HAS_BIAS, b_ptr + rows, True)

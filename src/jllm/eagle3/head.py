@@ -89,6 +89,12 @@ class Eagle3Head:
         # f16 where the target's kernels keep f16 (the native stack, the blocks precision), as the target does
         half = self.kernels is not None or self.blocks
         self.cache = KVCache(1, cfg.n_kv_heads, cfg.head_dim, n, dtype=kv_dtype(half), device=self.device)
+        self.graphs = None          # on a GPU, the head's passes of up to 16 rows as CUDA graphs, as the target's
+        if self.blocks and self.device.type == "cuda" and os.environ.get("JLLM_CUDA_GRAPHS", "1") != "0":
+            from jllm.cuda.graphs import StepGraphs
+            from jllm.cuda.linear import MATVEC_ROWS
+
+            self.graphs = StepGraphs(self._blocks_body, MATVEC_ROWS)
         if b.writer is not None:
             try:
                 b.writer.commit()
@@ -217,6 +223,14 @@ class Eagle3Head:
         start = self.cache.reserve(T)
         if start + T > self.cos.shape[0]:
             raise JllmError(f"the eagle3 head's context is full ({self.cos.shape[0]} positions)")
+        if self.blocks:                     # the GPU's layer: one CUDA graph replay a pass of up to 16 rows
+            x = torch.cat([self.embed(tokens).to(self.device).float(), g.to(self.device).float()], dim=1)
+            if self.graphs is not None and self.graphs.fits(T):
+                logits, out = self.graphs.run(x, self.cache, start)
+            else:
+                logits, out = self._blocks_body(x, self.cache, torch.arange(start, start + T, device=self.device))
+            self.cache.length = start + T
+            return (logits[-1:] if last_only else logits), out
         qk, v, g, gn = self._qkv(tokens, g)
         H = c.n_heads
         cos, sin = self.cos[start:start + T], self.sin[start:start + T]
@@ -224,13 +238,6 @@ class Eagle3Head:
         if k is not None:
             q = k.rope_store(qk[:, :H], qk[:, H:], v, cos, sin, False, c.rope_dim, kc, vc, start)
             a = k.attention(q, kc, vc, start, 0, c.attn_scale)            # [T, qd]
-        elif self.blocks:                   # the target's GPU attention: each query over exactly its keys
-            from jllm.cuda.attention import attention
-
-            qk = apply_rope(qk, cos, sin, False, c.rope_dim)
-            kc[:, start:start + T] = qk[:, H:].transpose(0, 1).to(kc.dtype)
-            vc[:, start:start + T] = v.transpose(0, 1).to(vc.dtype)
-            a = attention(qk[:, :H].contiguous(), kc, vc, start, 0, c.attn_scale)
         else:
             qk = apply_rope(qk, cos, sin, False, c.rope_dim)
             kc[:, start:start + T] = qk[:, H:].transpose(0, 1).to(kc.dtype)
@@ -239,6 +246,27 @@ class Eagle3Head:
         out = self._mlp(a, g, gn)                                         # [T, D], fed back
         self.cache.length = start + T
         return self._logits(out[-1:] if last_only else out), out
+
+    def _blocks_body(self, x: torch.Tensor, cache: KVCache, pos: torch.Tensor, capture=None):
+        """The blocks precision's pass: x [T, 2 D] (the tokens' embedding rows as stored, then g), pos int64 [T]
+        on the device -> (logits [T, Vd], out [T, D]); writes the rows' keys and values at pos. Nothing in it
+        reads the host, so it runs as a CUDA graph (jllm.cuda.graphs.StepGraphs, the body's signature), and
+        each row's results are its own (the target's GPU kernels: jllm.cuda.layers)."""
+        from jllm.cuda import fused
+        from jllm.cuda.attention import attention
+
+        c = self.cfg
+        T, D = x.shape[0], x.shape[1] // 2
+        H, Hk, hd = c.n_heads, c.n_kv_heads, c.head_dim
+        g = x[:, D:].contiguous()
+        gn = self._norm(g, self.hidden_norm)
+        qkv = self.qkv(torch.cat([self._norm(x[:, :D].contiguous(), self.attn_norm), gn], dim=1))
+        split = (H + Hk) * hd
+        qk, v = qkv[:, :split].view(T, H + Hk, hd), qkv[:, split:].view(T, Hk, hd)
+        kc, vc = cache.k[0], cache.v[0]                                   # [Hk, L, hd]
+        q = fused.rope_store(qk, v, pos, self.cos, self.sin, False, c.rope_dim, kc, vc)
+        out = self._mlp(attention(q, kc, vc, pos, 0, c.attn_scale), g, gn)
+        return self._logits(out), out
 
     # ------------------------------------------------------------------------------------------- internals
 
