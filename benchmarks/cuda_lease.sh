@@ -10,6 +10,12 @@
 # `llamacpp` alone waits for a build still running).
 # With matvec, the sweep's best setting for each shape goes to $OUT/best.json, and profile, bench and 4b then run
 # under it (benchmarks/cuda_tuned.py) rather than under jllm.cuda.matvec.setting's.
+# MODEL=FILE: a real target instead of the synthetic one (sent in pieces: training/gpu.sh recv/setup put it in
+# /tmp/m/t.gguf); HEAD=FILE: its EAGLE-3 head, for
+#   spec     jllm bench --spec on the corpus with the head, on the GPU
+#   serve    benchmarks/serve_load.py against `jllm serve --device cuda` with the head
+# ROWS="8 1": bench and spec once per JLLM_MATVEC_ROWS value (rows of x a matvec program; 1: a program a row).
+# build: only start llama.cpp's build (from the first call, so that it is done when `llamacpp` runs).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/gguf-*.whl || exit 1
@@ -18,10 +24,12 @@ want() { [ $# -eq 0 ] || [[ " $ARGS " == *" $1 "* ]]; }
 ARGS="$*"
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-S15=/tmp/s15.gguf
+S15=${MODEL:-/tmp/s15.gguf}
+TAG=${TAG:-s15}
+ROWS=${ROWS:-8}
 [ -f $S15 ] || python3 benchmarks/synthetic_gguf.py $S15 --shape qwen2.5-1.5b --dtype q4_k_m
 LB=/tmp/lcpp/build/bin/llama-bench
-if want llamacpp && [ ! -x $LB ] && [ ! -f /tmp/lcpp/started ] && [ -f .xfer/lcpp.tar.xz ]; then
+if { want llamacpp || want build; } && [ ! -x $LB ] && [ ! -f /tmp/lcpp/started ] && [ -f .xfer/lcpp.tar.xz ]; then
   mkdir -p /tmp/lcpp && tar xJf .xfer/lcpp.tar.xz -C /tmp/lcpp && touch /tmp/lcpp/started
   setsid nohup nice -n 19 bash -c "cmake -S /tmp/lcpp/llama.cpp -B /tmp/lcpp/build -DCMAKE_BUILD_TYPE=Release \
     -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
@@ -30,7 +38,7 @@ if want llamacpp && [ ! -x $LB ] && [ ! -f /tmp/lcpp/started ] && [ -f .xfer/lcp
 fi
 if [ -z "$ARGS" ] || want tests; then
   python3 -m pytest -q --tb=line tests/test_cuda.py tests/test_cuda_matvec.py tests/test_cuda_attention.py \
-    tests/test_cuda_fused.py 2>&1 \
+    tests/test_cuda_fused.py tests/test_cuda_head.py 2>&1 \
     | tee "$OUT/tests.log" | tail -25
 fi
 if [ -z "$ARGS" ] || want matvec; then
@@ -43,8 +51,21 @@ if [ -z "$ARGS" ] || want profile; then
   $RUN --script benchmarks/cuda_profile.py $S15 2>&1 | tee "$OUT/profile.log"
 fi
 if [ -z "$ARGS" ] || want bench; then
-  $RUN bench -m $S15 --device cuda --precision blocks --json "$OUT/bench_s15.json" 2>&1 \
-    | tee "$OUT/bench_s15.log"
+  for r in $ROWS; do
+    JLLM_MATVEC_ROWS=$r $RUN bench -m $S15 --device cuda --precision blocks --json "$OUT/bench_${TAG}_r$r.json" \
+      2>&1 | tee "$OUT/bench_${TAG}_r$r.log"
+  done
+fi
+if want spec; then
+  for r in $ROWS; do
+    JLLM_MATVEC_ROWS=$r python3 -m jllm bench --spec -m $S15 -md "$HEAD" --device cuda --precision blocks -n 128 \
+      --json "$OUT/spec_${TAG}_r$r.json" 2>&1 | tee "$OUT/spec_${TAG}_r$r.log" | tail -16
+  done
+fi
+if want serve; then
+  python3 benchmarks/serve_load.py -m $S15 --requests 64 --concurrency 4 --max-tokens 64 \
+    --server-args "-md $HEAD --device cuda --precision blocks" --json "$OUT/serve_$TAG.json" 2>&1 \
+    | tee "$OUT/serve_$TAG.log"
 fi
 if [ -z "$ARGS" ] || want 4b; then
   S4=/tmp/s4b.gguf

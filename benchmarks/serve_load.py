@@ -1,5 +1,7 @@
-"""Bounded load test of `jllm serve` on loopback with the official openai client:
-`python benchmarks/serve_load.py [-m smollm2-135m] [--requests 200] [--concurrency 8] [--max-tokens 16]`.
+"""Bounded load test of `jllm serve` on loopback, over its OpenAI-compatible HTTP API (httpx: it runs where the
+openai package is absent, as on the lent GPU; tests/test_server.py drives the server with the openai client):
+`python benchmarks/serve_load.py [-m smollm2-135m] [--requests 200] [--concurrency 8] [--max-tokens 16]
+[--server-args "-md HEAD.gguf --device cuda"]`.
 
 Starts the server as a subprocess on a free 127.0.0.1 port, sends N chat requests C at a time (each a
 distinct prompt, greedy), checks every answer arrived and equals the same prompt's answer run alone (no
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import socket
 import statistics
 import subprocess
@@ -20,7 +23,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from openai import OpenAI
+import httpx
 
 
 def free_port() -> int:
@@ -30,8 +33,6 @@ def free_port() -> int:
 
 
 def wait_ready(port: int, proc: subprocess.Popen, timeout: float = 300) -> None:
-    import httpx
-
     t0 = time.time()
     while time.time() - t0 < timeout:
         if proc.poll() is not None:
@@ -44,18 +45,30 @@ def wait_ready(port: int, proc: subprocess.Popen, timeout: float = 300) -> None:
     raise SystemExit("server did not become ready")
 
 
-def ttft(client: OpenAI, model: str, messages: list[dict], key: str, max_tokens: int) -> tuple[float, str, dict]:
+def complete(client: httpx.Client, model: str, messages: list[dict], max_tokens: int) -> str:
+    r = client.post("/chat/completions", json={"model": model, "messages": messages, "max_tokens": max_tokens,
+                                               "temperature": 0})
+    r.raise_for_status()
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def ttft(client: httpx.Client, model: str, messages: list[dict], key: str, max_tokens: int
+         ) -> tuple[float, str, dict]:
     t0 = time.perf_counter()
     first, parts, usage = None, [], {}
-    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0,
-                                            stream=True, stream_options={"include_usage": True},
-                                            extra_body={"prompt_cache_key": key})
-    for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            first = first or time.perf_counter() - t0
-            parts.append(chunk.choices[0].delta.content)
-        if chunk.usage:
-            usage = chunk.usage.model_dump()
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "prompt_cache_key": key}
+    with client.stream("POST", "/chat/completions", json=body) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            text = chunk["choices"][0]["delta"].get("content") if chunk.get("choices") else None
+            if text:
+                first = first or time.perf_counter() - t0
+                parts.append(text)
+            usage = chunk.get("usage") or usage
     return first or (time.perf_counter() - t0), "".join(parts), usage
 
 
@@ -66,21 +79,21 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--server-args", default="", help="more arguments for jllm serve, as one string")
     a = ap.parse_args()
     port = free_port()
     cache = tempfile.mkdtemp(prefix="jllm-serve-bench-")
     proc = subprocess.Popen([sys.executable, "-m", "jllm", "serve", "-m", a.model, "--port", str(port),
-                             "--cache-dir", cache], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                             "--cache-dir", cache, *shlex.split(a.server_args)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         wait_ready(port, proc)
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
+        client = httpx.Client(base_url=f"http://127.0.0.1:{port}/v1", timeout=600)
         prompts = [f"Give one fact about the number {i}." for i in range(a.requests)]
 
         def ask(i: int) -> tuple[int, float, str]:
             t0 = time.perf_counter()
-            r = client.chat.completions.create(model=a.model, temperature=0, max_tokens=a.max_tokens,
-                                               messages=[{"role": "user", "content": prompts[i]}])
-            return i, time.perf_counter() - t0, r.choices[0].message.content
+            text = complete(client, a.model, [{"role": "user", "content": prompts[i]}], a.max_tokens)
+            return i, time.perf_counter() - t0, text
 
         t0 = time.perf_counter()
         with ThreadPoolExecutor(a.concurrency) as ex:
