@@ -27,7 +27,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 S15=${MODEL:-/tmp/s15.gguf}
 TAG=${TAG:-s15}
 ROWS=${ROWS:-8}
-[ -f $S15 ] || python3 benchmarks/synthetic_gguf.py $S15 --shape qwen2.5-1.5b --dtype q4_k_m
+[ -n "${MODEL:-}" ] || [ -f $S15 ] || python3 benchmarks/synthetic_gguf.py $S15 --shape qwen2.5-1.5b --dtype q4_k_m
 LB=/tmp/lcpp/build/bin/llama-bench
 if { want llamacpp || want build; } && [ ! -x $LB ] && [ ! -f /tmp/lcpp/started ] && [ -f .xfer/lcpp.tar.xz ]; then
   mkdir -p /tmp/lcpp && tar xJf .xfer/lcpp.tar.xz -C /tmp/lcpp && touch /tmp/lcpp/started
