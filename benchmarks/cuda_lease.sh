@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Issue 23's measurements on a lent GPU in one call of the device tool (run from the repo root, `.whl` carried
-# with the gguf wheel): the CUDA tests, then the blocks precision on synthetic weights of the real shapes
+# with the gguf wheel, and for `serve` those of fastapi, uvicorn and httpx with their dependencies: pip download
+# fastapi uvicorn httpx --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl): the
+# CUDA tests, then the blocks precision on synthetic weights of the real shapes
 # (Q4_K_M's mix of Q4_K and Q6_K): the kernels, a step eager and from CUDA graphs, jllm bench for the 1.5B
 # target and a Qwen3-4B (the origin document's), each log under $OUT.
 #   bash benchmarks/cuda_lease.sh [tests] [matvec] [profile] [bench] [4b]      (none: all of them)
@@ -18,7 +20,7 @@
 # build: only start llama.cpp's build (from the first call, so that it is done when `llamacpp` runs).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/gguf-*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1   # gguf; serve: fastapi, uvicorn, httpx
 export PYTHONPATH="$PWD/src:/tmp/site" PYTHONUNBUFFERED=1
 want() { [ $# -eq 0 ] || [[ " $ARGS " == *" $1 "* ]]; }
 ARGS="$*"

@@ -166,13 +166,14 @@ def main() -> None:
         print(f"rows {rows}: eager {eager:.3f} ms, graph {replay:.3f} ms ({1e3 / replay:.0f} steps/s), "
               f"floor {floor:.3f} ms")
     m.graphs = None
-    ids = ctx[:1]
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            cache.truncate(a.context)
-            m.forward(ids, cache)
-        torch.cuda.synchronize()
-    kernel_table(prof, 5, a.top, "one eager decode step")
+    for rows in a.rows:                                   # where a verify pass's extra rows go
+        ids = ctx[:rows]
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                cache.truncate(a.context)
+                m.forward(ids, cache)
+            torch.cuda.synchronize()
+        kernel_table(prof, 5, a.top, "one eager decode step" if rows == 1 else f"one eager pass of {rows} rows")
     m.graphs = graphs
     host_time(m, cache, a.context, a.top)
     prefill(m, ctx, a.top)

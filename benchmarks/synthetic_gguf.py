@@ -21,6 +21,7 @@ SHAPES = {
     "qwen2.5-0.5b": ("qwen2", 24, 896, 4864, 14, 2, 64, 151936, True),
     "qwen3-4b": ("qwen3", 36, 2560, 9728, 32, 8, 128, 151936, True),      # the origin document's target
     "tiny": ("qwen2", 2, 64, 128, 4, 2, 16, 512, False),
+    "tiny-k": ("qwen2", 2, 256, 512, 4, 2, 64, 512, False),           # the smallest the K-quants take (tests)
 }
 
 

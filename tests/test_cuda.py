@@ -144,3 +144,41 @@ def test_blocks_speculative_greedy_is_plain_greedy_on_the_gpu(tmp_path):
     for prompt in ("hello", "the quick brown fox"):
         want = plain.generate(prompt, SamplingParams(max_tokens=40)).token_ids
         assert spec.generate(prompt, SamplingParams(max_tokens=40)).token_ids == want
+
+
+def test_greedy_steps_chained_on_the_device_are_plain_greedy(tmp_path):
+    """jllm.cuda.chain: greedy decoding replayed back to back on the GPU gives plain steps' tokens, and leaves
+    the context (ids, cache length, keys) that plain steps leave, also when the consumer lets go early."""
+    import importlib.util
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    spec = importlib.util.spec_from_file_location(
+        "synthetic_gguf", Path(__file__).resolve().parents[1] / "benchmarks" / "synthetic_gguf.py")
+    synthetic_gguf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(synthetic_gguf)
+    path = tmp_path / "k.gguf"
+    synthetic_gguf.write(str(path), "tiny-k", "q4_k_m")          # a Q4_K embedding: looked up on the device
+    chained = Engine(str(path), device="cuda", ctx_size=256)
+    plain = Engine(str(path), device="cuda", ctx_size=256)
+    plain.model.chain = None
+    assert chained.target.chains() and not plain.target.chains()
+
+    def same_context():
+        n = len(plain.target)
+        assert chained.target.ids == plain.target.ids and chained.target.cache.length == n
+        assert torch.equal(chained.target.cache.k[:, :, :n], plain.target.cache.k[:, :, :n])
+
+    for n in (1, 2, 8, 9, 40):                                   # runs of 8: one, two, and past the log's wrap
+        for eng in (plain, chained):
+            eng.reset()
+        want = plain.generate("hello", SamplingParams(max_tokens=n)).token_ids
+        assert chained.generate("hello", SamplingParams(max_tokens=n)).token_ids == want
+        same_context()
+    for eng in (plain, chained):
+        eng.reset()
+        run = eng.stream(eng.encode("the quick brown fox"), SamplingParams(max_tokens=60))
+        assert len([next(run) for _ in range(13)]) == 13
+        run.close()
+    same_context()
+    assert chained.model.chain.count() >= 1

@@ -135,3 +135,49 @@ def test_public_load_builds_an_engine_with_a_draft(model_path):
     eng = jllm.load(model_path, draft=model_path, ctx_size=64, threads=1)
     assert isinstance(eng, jllm.Engine) and eng.draft is not None and eng.spec is not None
     assert len(eng.generate("hi", jllm.SamplingParams(max_tokens=4)).token_ids) == 4
+
+
+class _AheadChain:
+    """jllm.cuda.chain.GreedyChain's part on the CPU: every greedy step up to its limit is computed before the
+    first token is yielded, so the cache runs ahead of what the caller keeps, as on a GPU (by up to two runs)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def tokens(self, token, cache, start, limit):
+        assert cache.length == start
+        out = []
+        for _ in range(limit):
+            token = int(self.model.forward(torch.tensor([token]), cache)[0].argmax())
+            out.append(token)
+        yield from out
+
+
+def test_greedy_steps_chained_ahead_are_plain_greedy_and_leave_the_same_context(model_path):
+    plain = Engine(model_path, ctx_size=128, threads=1)
+    chained = Engine(model_path, ctx_size=128, threads=1)
+    chained.model.chain = _AheadChain(chained.model)
+    assert chained.target.chains() and not plain.target.chains()
+    full = plain.generate("chain me", SamplingParams(max_tokens=20)).text
+    assert full[5:8]
+
+    def same_context():
+        n = len(plain.target)
+        assert chained.target.ids == plain.target.ids and chained.target.cache.length == n
+        assert torch.equal(chained.target.cache.k[:, :, :n], plain.target.cache.k[:, :, :n])
+
+    for p in [SamplingParams(max_tokens=n) for n in (1, 2, 20)] + [SamplingParams(max_tokens=20, stop=(full[5:8],))]:
+        want, got = fresh(plain).generate("chain me", p), fresh(chained).generate("chain me", p)
+        assert got.token_ids == want.token_ids and got.text == want.text and got.finish_reason == want.finish_reason
+        same_context()
+    for eng in (plain, chained):                         # a consumer that lets go after 7 tokens
+        run = fresh(eng).stream(eng.encode("chain me"), SamplingParams(max_tokens=20))
+        assert len([next(run) for _ in range(7)]) == 7
+        run.close()
+    same_context()
+    assert len(plain.target) == len(plain.encode("chain me")) + 6
+    sampled = SamplingParams(max_tokens=6, temperature=0.8, seed=3)   # not greedy: never chained
+    chained.model.chain = None
+    want = fresh(chained).generate("chain me", sampled).token_ids
+    chained.model.chain = _AheadChain(chained.model)
+    assert fresh(chained).generate("chain me", sampled).token_ids == want

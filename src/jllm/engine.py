@@ -28,7 +28,7 @@ from jllm.gguf.reader import read_gguf
 from jllm.model.config import config_from_gguf
 from jllm.model.loader import default_precision, load_model, resolve_device
 from jllm.plan import check_limit, physical_memory, plan
-from jllm.sampling import SamplingParams, make_generator, sample
+from jllm.sampling import SamplingParams, argmax, make_generator, sample
 from jllm.sequence import Sequence, common_prefix
 from jllm.spec.compat import check_compatible
 from jllm.spec.config import SpecConfig, draft_precision_for
@@ -334,6 +334,9 @@ class Engine:
             self.save_state(conv_id)
 
     def _plain_tokens(self, logits: torch.Tensor, params: SamplingParams, budget: int) -> Iterator[int]:
+        if params.greedy and params.repeat_penalty == 1.0 and self.target.chains():
+            yield from self._chained_tokens(logits, budget)
+            return
         gen = make_generator(params.seed)
         history = list(self.target.ids)
         for n in range(budget):
@@ -342,6 +345,25 @@ class Engine:
             yield tok
             if n + 1 < budget and tok not in self.tokenizer.eot_ids:
                 logits = self.step(tok)
+
+    def _chained_tokens(self, logits: torch.Tensor, budget: int) -> Iterator[int]:
+        """Greedy decoding as _plain_tokens does it, its steps chained on the GPU (jllm.cuda.chain): the same
+        tokens, and at the end the same held context (the chain's steps past the last token kept are dropped)."""
+        base, yielded, chain = len(self.target), 0, None
+        tok = argmax(logits)[0]
+        try:
+            while budget:
+                yielded += 1                    # counted before the yield: a close there has taken it
+                yield tok
+                if yielded >= budget or tok in self.tokenizer.eot_ids:
+                    return
+                if chain is None:
+                    chain = self.target.chain_tokens(tok, budget - yielded)
+                tok = next(chain)
+        finally:
+            if chain is not None:
+                chain.close()
+            self.target.rollback(base + max(0, yielded - 1))
 
     def _emit(self, source: Iterator[int], run: Generation, params: SamplingParams) -> Iterator[Piece]:
         decoder = StreamDecoder(self.tokenizer)

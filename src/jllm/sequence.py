@@ -17,6 +17,8 @@ rows by position in `features` [max_tokens, len(capture) * hidden], the head's i
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import torch
 
 PREFILL_CHUNK = 256     # tokens per prefill call on the CPU: bounds the activations' memory, costs nothing in speed
@@ -83,6 +85,20 @@ class Sequence:
     def step(self, token: int) -> torch.Tensor:
         """One decode step -> logits after `token` [vocab]."""
         return self.forward([token])[-1]
+
+    def chains(self) -> bool:
+        """Whether greedy steps can run chained on the device (chain_tokens)."""
+        return self.capture is None and getattr(self.model, "chain", None) is not None
+
+    def chain_tokens(self, token: int, limit: int) -> Iterator[int]:
+        """Greedy decoding after `token` on the device (jllm.cuda.chain): the next tokens, at most `limit`. Once
+        t_j is yielded the sequence holds `token` .. t_(j-1) (what step() would hold), while the cache has been
+        computed further: the caller ends with rollback(len(self)) (or to less), which drops the rest."""
+        prev = token
+        for t in self.model.chain.tokens(token, self.cache, len(self.ids), limit):
+            self.ids.append(prev)
+            prev = t
+            yield t
 
     def keep(self, start: int, ids: list[int], rows: list[int] | None = None) -> None:
         """After a forward over a verify block that began at `start`: positions start.. now hold `ids`, and

@@ -77,6 +77,13 @@ class Transformer:
 
             self.graphs = StepGraphs(self._blocks_body, MATVEC_ROWS)    # the passes that stay row-exact
             self.prefill_graphs = PrefillGraphs(self._prefill_body, n)  # a prefill's chunks, padded
+        self.chain = None           # greedy steps chained on the device (cuda/chain.py), where the embedding is there
+        if self.graphs is not None and os.environ.get("JLLM_CUDA_CHAIN", "1") != "0":
+            from jllm.cuda.chain import GreedyChain
+            from jllm.cuda.embedding import DeviceEmbedding
+
+            if isinstance(weights.embed, DeviceEmbedding):
+                self.chain = GreedyChain(self._chain_body, self.graphs.pool)
         # a prefill's chunk length: the GPU's passes gain from longer chunks (fewer launches, fewer passes over
         # the dequantized matrices); the CPU's do not, and their activations' memory grows with it
         self.prefill_chunk = CUDA_PREFILL_CHUNK if self.block_attention and device.type == "cuda" else PREFILL_CHUNK
@@ -173,6 +180,14 @@ class Transformer:
         taken = {} if capture else None
         logits = self.w.output(blocks_layers(self, x, cache, pos, taken)[1])
         return logits, None if not capture else torch.cat([taken[i] for i in capture], dim=1).float()
+
+    def _chain_body(self, state: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """One greedy chain step (cuda/chain.py): the token state[0] at position state[1], both on the device ->
+        logits [1, V]; the step graph's body of one row after the same embedding."""
+        x = self.w.embed(state[:1])                       # ids on the device: looked up there, unchecked
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        return self._blocks_body(x, cache, state[1:2], None)[0]
 
     def _prefill_body(self, x: torch.Tensor, cache: KVCache, pos: torch.Tensor, last: torch.Tensor,
                       capture: tuple[int, ...] | None):
