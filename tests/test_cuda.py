@@ -182,3 +182,21 @@ def test_greedy_steps_chained_on_the_device_are_plain_greedy(tmp_path):
         run.close()
     same_context()
     assert chained.model.chain.count() >= 1
+    # with an EAGLE-3 head's capture: each chained step writes its captured row, as a step does
+    import itertools
+
+    from jllm.sequence import Sequence
+
+    cap = (1, chained.model.cfg.n_layers)
+    a, b = (Sequence(chained.model, 64, capture=cap) for _ in range(2))
+    for s in (a, b):
+        s.sync(chained.encode("hello world"))
+    got = list(itertools.islice(a.chain_tokens(5, 12), 12))
+    a.rollback(len(a))
+    want, t = [], 5
+    for _ in range(12):
+        t = int(torch.argmax(b.step(t)))
+        want.append(t)
+    n = len(b)
+    assert got == want and a.ids == b.ids and a.cache.length == n
+    assert torch.equal(a.features[:n], b.features[:n]) and torch.equal(a.cache.v[:, :, :n], b.cache.v[:, :, :n])

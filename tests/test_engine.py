@@ -144,8 +144,8 @@ class _AheadChain:
     def __init__(self, model):
         self.model = model
 
-    def tokens(self, token, cache, start, limit):
-        assert cache.length == start
+    def tokens(self, token, cache, start, limit, capture=None, features=None):
+        assert cache.length == start and capture is None
         out = []
         for _ in range(limit):
             token = int(self.model.forward(torch.tensor([token]), cache)[0].argmax())

@@ -88,14 +88,14 @@ class Sequence:
 
     def chains(self) -> bool:
         """Whether greedy steps can run chained on the device (chain_tokens)."""
-        return self.capture is None and getattr(self.model, "chain", None) is not None
+        return getattr(self.model, "chain", None) is not None
 
     def chain_tokens(self, token: int, limit: int) -> Iterator[int]:
         """Greedy decoding after `token` on the device (jllm.cuda.chain): the next tokens, at most `limit`. Once
         t_j is yielded the sequence holds `token` .. t_(j-1) (what step() would hold), while the cache has been
         computed further: the caller ends with rollback(len(self)) (or to less), which drops the rest."""
         prev = token
-        for t in self.model.chain.tokens(token, self.cache, len(self.ids), limit):
+        for t in self.model.chain.tokens(token, self.cache, len(self.ids), limit, self.capture, self.features):
             self.ids.append(prev)
             prev = t
             yield t

@@ -27,42 +27,50 @@ CHAIN = 8                   # steps a run: the host reads a run's tokens while t
 
 
 class GreedyChain:
-    """body(state, cache) -> logits [1, V]: one decode step of the token state[0] at position state[1] (int64
-    [2] on the device), writing its key and value there."""
+    """body(state, cache, capture) -> (logits [1, V], the captured layers' inputs [1, F] or None): one decode step
+    of the token state[0] at position state[1] (int64 [2] on the device), writing its key and value there.
+    With capture (an EAGLE-3 head's target layers) each step also writes its row of `features` (the Sequence's)
+    at its position, as Sequence.forward does."""
 
     def __init__(self, body: Callable, pool=None):
         self.body, self.pool = body, pool
         self._graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()    # cache -> captured
 
-    def _step(self, state: torch.Tensor, log: torch.Tensor, at: torch.Tensor, cache) -> None:
-        nxt = torch.argmax(self.body(state, cache)[0]).view(1)     # first index on ties, as jllm.sampling
+    def _step(self, state: torch.Tensor, log: torch.Tensor, at: torch.Tensor, cache, capture, features) -> None:
+        logits, hidden = self.body(state, cache, capture)
+        if hidden is not None:
+            features.index_copy_(0, state[1:2], hidden.to(features.dtype))
+        nxt = torch.argmax(logits[0]).view(1)                     # first index on ties, as jllm.sampling
         log.index_copy_(0, at, nxt)
         state[0:1].copy_(nxt)
         state[1:2].add_(1)
         at.add_(1).remainder_(log.shape[0])
 
-    def _captured(self, cache, state0: torch.Tensor):
-        got = self._graphs.get(cache)
+    def _captured(self, cache, state0: torch.Tensor, capture, features):
+        per_cache = self._graphs.setdefault(cache, {})
+        got = per_cache.get(capture)
         if got is not None:
             return got
         dev = state0.device
         state, at = state0.clone(), torch.zeros(1, dtype=torch.int64, device=dev)
         log = torch.zeros(2 * CHAIN, dtype=torch.int64, device=dev)
-        self._step(state, log, at, cache)          # eager: compiles the kernels (its cache write is the replay's)
+        self._step(state, log, at, cache, capture, features)   # eager: compiles the kernels (its writes are the
+                                                                # replay's)
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
         with torch.cuda.graph(graph, pool=self.pool):
-            self._step(state, log, at, cache)
-        self._graphs[cache] = got = (graph, state, log, at, torch.empty(2 * CHAIN, dtype=torch.int64,
-                                                                         pin_memory=True))
+            self._step(state, log, at, cache, capture, features)
+        per_cache[capture] = got = (graph, state, log, at, torch.empty(2 * CHAIN, dtype=torch.int64, pin_memory=True))
         return got
 
-    def tokens(self, token: int, cache, start: int, limit: int) -> Iterator[int]:
+    def tokens(self, token: int, cache, start: int, limit: int, capture: tuple[int, ...] | None = None,
+               features: torch.Tensor | None = None) -> Iterator[int]:
         """Greedy tokens after `token` at position start (the cache holds start positions): the token after
         `token`, then the one after that, ... at most `limit`. The cache's length follows what has been computed,
-        which runs ahead of what was yielded by up to two runs: the caller rolls it back to what it keeps."""
+        which runs ahead of what was yielded by up to two runs: the caller rolls it back to what it keeps.
+        capture, features: the Sequence's (each step's captured row lands in features at its position)."""
         state0 = torch.tensor([token, start], dtype=torch.int64).to(cache.k.device)
-        graph, state, log, at, host = self._captured(cache, state0)
+        graph, state, log, at, host = self._captured(cache, state0, capture, features)
         state.copy_(state0)
         at.zero_()
         done = [0, None]                      # steps launched; the run in flight (its first log slot, count, event)
@@ -91,4 +99,4 @@ class GreedyChain:
             run = ahead
 
     def count(self) -> int:
-        return len(self._graphs)
+        return sum(len(g) for g in self._graphs.values())

@@ -181,13 +181,14 @@ class Transformer:
         logits = self.w.output(blocks_layers(self, x, cache, pos, taken)[1])
         return logits, None if not capture else torch.cat([taken[i] for i in capture], dim=1).float()
 
-    def _chain_body(self, state: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def _chain_body(self, state: torch.Tensor, cache: KVCache, capture: tuple[int, ...] | None):
         """One greedy chain step (cuda/chain.py): the token state[0] at position state[1], both on the device ->
-        logits [1, V]; the step graph's body of one row after the same embedding."""
+        (logits [1, V], the captured layers' inputs or None); the step graph's body of one row after the same
+        embedding."""
         x = self.w.embed(state[:1])                       # ids on the device: looked up there, unchecked
         if self.embed_scale is not None:
             x = x * self.embed_scale
-        return self._blocks_body(x, cache, state[1:2], None)[0]
+        return self._blocks_body(x, cache, state[1:2], capture)
 
     def _prefill_body(self, x: torch.Tensor, cache: KVCache, pos: torch.Tensor, last: torch.Tensor,
                       capture: tuple[int, ...] | None):
