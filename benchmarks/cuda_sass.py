@@ -22,7 +22,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from jllm.cuda import q4_k, q6_k
+from jllm.cuda import mma, q4_k, q6_k
 
 _COMMON = {"b_ptr": "*fp32", "y_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "NB": "i32", "Y_STRIDE": "i32",
            "NB_PART": "i32", "P_STRIDE": "i32"}
@@ -30,6 +30,10 @@ _COMMON = {"b_ptr": "*fp32", "y_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32
 KERNELS = {"q4_k": (q4_k._q4_k_matvec, {"x_ptr": "*fp32", "qs_ptr": "*i32", "d_ptr": "*fp16", "dmin_ptr": "*fp16",
                                         "sc_ptr": "*u8", "mn_ptr": "*u8"}),
            "q6_k": (q6_k._q6_k_matvec, {"x_ptr": "*fp32", "ql_ptr": "*i32", "qh_ptr": "*i32", "sc_ptr": "*i8",
+                                        "d_ptr": "*fp16"}),
+           "q4_k_mma": (mma._q4_k_mma, {"x_ptr": "*fp32", "qs_ptr": "*i32", "d_ptr": "*fp16", "dmin_ptr": "*fp16",
+                                        "sc_ptr": "*u8", "mn_ptr": "*u8"}),
+           "q6_k_mma": (mma._q6_k_mma, {"x_ptr": "*fp32", "ql_ptr": "*i32", "qh_ptr": "*i32", "sc_ptr": "*i8",
                                         "d_ptr": "*fp16"})}
 DIVISIBLE = ("N", "K", "Y_STRIDE")      # as triton's launcher specialises them for the real shapes (x 16)
 
@@ -59,6 +63,7 @@ def main() -> None:
     sig = {name: sig[name] for name in fn.arg_names if name in sig}
     consts = {"BLOCK_N": a.block_n, "SB": a.sb, "HAS_BIAS": False, "USE_ASM": not a.no_asm, "EVEN": not a.ragged,
               "STAGES": a.stages, "ROWS": a.rows}
+    consts = {c: v for c, v in consts.items() if c in fn.arg_names}      # the tensor-core kernels take fewer
     sig.update({c: "constexpr" for c in consts})
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
              for n, ty in sig.items() if ty.startswith("*") or n in DIVISIBLE}

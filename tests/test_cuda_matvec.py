@@ -317,3 +317,32 @@ def test_q4_k_rows_on_the_device_are_the_cpus_dequantized_rows_bit_for_bit():
     assert emb(torch.tensor([], dtype=torch.int64)).shape == (0, k)
     with pytest.raises(JllmError, match="out of range"):
         emb(torch.tensor([n]))
+
+
+@pytest.mark.parametrize("kind", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_the_tensor_core_kernels_match_the_cpu_and_keep_each_row_its_own(kind, monkeypatch):
+    """jllm.cuda.mma (JLLM_MATVEC_MMA=1): every pass one tile of 16 rows, x in two f16 halves. A row's sums are
+    its own bitwise on the GPU (a tensor-core product's element comes from its own row, by one circuit whatever
+    the row's place in the tile); the interpreter multiplies the tile with numpy, whose BLAS sums a row by its
+    place in the matrix, so there the same row at the same place is what is bitwise."""
+    import jllm.cuda.mma as mma
+
+    monkeypatch.setattr(mma, "ENABLED", True)
+    n, k = 40, 1024                                     # 40 outputs: a ragged last tile of 16
+    raw = random_blocks(kind, n, k, seed=21)
+    w = TYPES[kind][0](raw, (n, k), DEV)
+    x = torch.randn(11, k, generator=torch.Generator().manual_seed(22)).to(DEV)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(23)).to(DEV)
+    want = x.double().cpu() @ dequantize(raw.numpy(), kind, (n, k)).double().T + bias.double().cpu()
+    for split in (1, 3):
+        assert mma.handles(x, w)
+        y = matvec(x, w, bias=bias, split=split)
+        assert torch.allclose(y.double().cpu(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+        for i in (0, 4, 10):
+            alone = matvec(x[i:i + 1], w, bias=bias, split=split)
+            assert torch.equal(alone, y[i:i + 1]) if DEV == "cuda" or i == 0 else \
+                torch.allclose(alone, y[i:i + 1], rtol=1e-6, atol=1e-6 * want.abs().max().item())
+        assert torch.equal(matvec(x[:6], w, bias=bias, split=split), y[:6])
+        if DEV == "cuda":
+            assert torch.equal(matvec(x[3:9], w, bias=bias, split=split), y[3:9])
+    assert not mma.handles(torch.zeros(17, k, device=DEV), w)   # past 16 rows: the other kernels

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from jllm.cuda import blocks32, q4_k, q6_k
+from jllm.cuda import blocks32, mma, q4_k, q6_k
 
 _KERNELS = {q4_k.Q4KWeight: q4_k.launch, q6_k.Q6KWeight: q6_k.launch, blocks32.Blocks32Weight: blocks32.launch}
 _SPLITS = (q4_k.Q4KWeight, q6_k.Q6KWeight)           # the kernels that take a share of a row
@@ -61,6 +61,8 @@ def matvec(x: torch.Tensor, w, block_n: int | None = None, out: torch.Tensor | N
         raise TypeError(f"no GPU kernel for {type(w).__name__}")
     n, k = w.shape
     default = setting(w)
+    if mma.handles(x, w):                     # the tensor cores' kernels (JLLM_MATVEC_MMA=1): 16 outputs a program
+        launch, block_n = mma.launch, block_n or 16
     block_n, sb, split, stages = block_n or default[0], sb or default[1], split or default[2], stages or default[3]
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"x must be [M, {k}], is {list(x.shape)}")
