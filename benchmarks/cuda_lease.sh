@@ -58,6 +58,9 @@ if [ -z "$ARGS" ] || want bench; then
       2>&1 | tee "$OUT/bench_${TAG}_r$r.log"
   done
 fi
+if want spec || want serve; then
+  : "${HEAD:?spec and serve need HEAD=the head file}"
+fi
 if want spec; then
   for r in $ROWS; do
     JLLM_MATVEC_ROWS=$r python3 -m jllm bench --spec -m $S15 -md "$HEAD" --device cuda --precision blocks -n 128 \

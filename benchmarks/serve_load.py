@@ -60,16 +60,30 @@ def ttft(client: httpx.Client, model: str, messages: list[dict], key: str, max_t
             "stream_options": {"include_usage": True}, "prompt_cache_key": key}
     with client.stream("POST", "/chat/completions", json=body) as r:
         r.raise_for_status()
-        for line in r.iter_lines():
+        for line in sse_lines(r.iter_bytes()):
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise SystemExit(f"the stream failed: {chunk['error']}")
             text = chunk["choices"][0]["delta"].get("content") if chunk.get("choices") else None
             if text:
                 first = first or time.perf_counter() - t0
                 parts.append(text)
             usage = chunk.get("usage") or usage
     return first or (time.perf_counter() - t0), "".join(parts), usage
+
+
+def sse_lines(chunks):
+    """An event stream's lines, split on newlines only (str.splitlines would also split inside a JSON string
+    holding U+2028 and the like, which the server leaves unescaped)."""
+    buf = b""
+    for chunk in chunks:
+        buf += chunk
+        *lines, buf = buf.split(b"\n")
+        yield from (line.rstrip(b"\r").decode() for line in lines)
+    if buf:
+        yield buf.decode()
 
 
 def main() -> None:

@@ -142,10 +142,11 @@ class _AheadChain:
     first token is yielded, so the cache runs ahead of what the caller keeps, as on a GPU (by up to two runs)."""
 
     def __init__(self, model):
-        self.model = model
+        self.model, self.calls = model, 0
 
     def tokens(self, token, cache, start, limit, capture=None, features=None):
         assert cache.length == start and capture is None
+        self.calls += 1
         out = []
         for _ in range(limit):
             token = int(self.model.forward(torch.tensor([token]), cache)[0].argmax())
@@ -176,6 +177,24 @@ def test_greedy_steps_chained_ahead_are_plain_greedy_and_leave_the_same_context(
         run.close()
     same_context()
     assert len(plain.target) == len(plain.encode("chain me")) + 6
+    assert chained.model.chain.calls == 4                # every case but max_tokens=1 chained
+    # a generation dropped unclosed is finalised during another one: it must not touch the live one's context
+    import gc
+
+    want = fresh(plain).generate("another prompt", SamplingParams(max_tokens=20)).token_ids
+    gc.disable()
+    try:
+        stale = fresh(chained).stream(chained.encode("chain me"), SamplingParams(max_tokens=20))
+        assert len([next(stale) for _ in range(5)]) == 5
+        del stale
+        live = chained.stream(chained.encode("another prompt"), SamplingParams(max_tokens=20))
+        got = [next(live).token_id for _ in range(4)]
+        gc.collect()
+        got += [p.token_id for p in live if p.token_id >= 0]
+    finally:
+        gc.enable()
+    assert got == want and len(chained.target) == len(chained.encode("another prompt")) + 19
+    assert chained.target.cache.length == len(chained.target)
     sampled = SamplingParams(max_tokens=6, temperature=0.8, seed=3)   # not greedy: never chained
     chained.model.chain = None
     want = fresh(chained).generate("chain me", sampled).token_ids

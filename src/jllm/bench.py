@@ -56,7 +56,7 @@ def measure(eng, prompt_tokens: int = 512, decode_tokens: int = 64, max_k: int =
 
     # decode: greedy single-token steps after the prompt, each with its argmax (on a GPU the step is
     # asynchronous until its token is read)
-    tok = int(torch.argmax(logits))
+    tok = first = int(torch.argmax(logits))
     step_times = []
     for _ in range(decode_tokens):
         t0 = time.perf_counter()
@@ -67,14 +67,14 @@ def measure(eng, prompt_tokens: int = 512, decode_tokens: int = 64, max_k: int =
     # on a GPU, greedy decoding chains its steps on the device (jllm.cuda.chain), as generation does: timed
     # over decode_tokens after a warm-up (the chain's graph is captured once per cache)
     chain_s = None
-    if eng.target.chains():
-        base = len(eng.target)
+    if eng.target.chains():                 # from the same place as the steps: right after the prompt
         for n in (4, decode_tokens):
+            eng.target.rollback(len(ids))
             t0 = time.perf_counter()
-            got = list(itertools.islice(eng.target.chain_tokens(tok, n), n))
+            got = list(itertools.islice(eng.target.chain_tokens(first, n), n))
             _sync(dev)
             chain_s = (time.perf_counter() - t0) / len(got)
-            eng.target.rollback(base)
+        eng.target.rollback(len(ids) + decode_tokens)   # where the steps left it, for the verify passes
 
     # batched forward of k+1 tokens at the same position, relative to one decode step
     base = len(eng.target)

@@ -348,13 +348,13 @@ class Engine:
 
     def _chained_tokens(self, logits: torch.Tensor, budget: int) -> Iterator[int]:
         """Greedy decoding as _plain_tokens does it, its steps chained on the GPU (jllm.cuda.chain): the same
-        tokens, and at the end the same held context (the chain's steps past the last token kept are dropped)."""
-        base, yielded, chain = len(self.target), 0, None
+        tokens, and at the end the same held context (closing the chain drops its steps past the held tokens)."""
+        yielded, chain = 0, None
         tok = argmax(logits)[0]
         try:
             while budget:
-                yielded += 1                    # counted before the yield: a close there has taken it
                 yield tok
+                yielded += 1
                 if yielded >= budget or tok in self.tokenizer.eot_ids:
                     return
                 if chain is None:
@@ -363,7 +363,6 @@ class Engine:
         finally:
             if chain is not None:
                 chain.close()
-            self.target.rollback(base + max(0, yielded - 1))
 
     def _emit(self, source: Iterator[int], run: Generation, params: SamplingParams) -> Iterator[Piece]:
         decoder = StreamDecoder(self.tokenizer)

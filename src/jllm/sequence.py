@@ -44,6 +44,7 @@ class Sequence:
         self.capture = tuple(capture) if capture else None
         self.features = None
         self.features_from = 0
+        self.epoch = 0              # bumped by every change but a greedy chain's own (chain_tokens)
         if self.capture:            # bf16: the head only proposes, and the residual stream's range needs its exponent
             self.features = torch.zeros(max_tokens, len(self.capture) * model.cfg.hidden, dtype=torch.bfloat16,
                                         device=model.device)      # where the head runs: the target's device
@@ -73,6 +74,7 @@ class Sequence:
         a side leaf is a tree of one row). Until keep(), position start + row holds row's token whatever its
         depth."""
         start = len(self.ids)
+        self.epoch += 1
         x = torch.tensor(tokens)            # on the host: the embedding looks rows up there (no device sync)
         if self.capture is None:
             logits = self.model.forward(x, self.cache, last_only=last_only, tree=tree)
@@ -92,19 +94,30 @@ class Sequence:
 
     def chain_tokens(self, token: int, limit: int) -> Iterator[int]:
         """Greedy decoding after `token` on the device (jllm.cuda.chain): the next tokens, at most `limit`. Once
-        t_j is yielded the sequence holds `token` .. t_(j-1) (what step() would hold), while the cache has been
-        computed further: the caller ends with rollback(len(self)) (or to less), which drops the rest."""
+        t_j is yielded the sequence holds `token` .. t_(j-1), what step() would hold; the cache has been computed
+        further, and when the generator ends (closed, or run out) the positions past the held ones are dropped.
+        Unless the sequence has changed since (a generation dropped unclosed, finalised during another one):
+        then it is not this generator's to touch."""
+        if self.cache.length != len(self.ids):
+            raise ValueError(f"chain_tokens: a cache of {self.cache.length} positions holds {len(self.ids)} ids")
+        self.epoch += 1
+        mine = self.epoch
         prev = token
-        for t in self.model.chain.tokens(token, self.cache, len(self.ids), limit, self.capture, self.features):
-            self.ids.append(prev)
-            prev = t
-            yield t
+        try:
+            for t in self.model.chain.tokens(token, self.cache, len(self.ids), limit, self.capture, self.features):
+                self.ids.append(prev)
+                prev = t
+                yield t
+        finally:
+            if self.epoch == mine:
+                self.rollback(len(self.ids))
 
     def keep(self, start: int, ids: list[int], rows: list[int] | None = None) -> None:
         """After a forward over a verify block that began at `start`: positions start.. now hold `ids`, and
         everything past them is dropped. rows: the block rows ids were evaluated in (a tree's accepted path or a
         taken side leaf; increasing, rows[j] >= j), each moved to start + j; None: rows 0, 1, ... (a chain)."""
         end = start + len(ids)
+        self.epoch += 1
         if end > len(self.ids):
             raise ValueError(f"cannot keep {len(ids)} tokens from {start} in a sequence of {len(self.ids)}")
         moves = []
@@ -121,6 +134,7 @@ class Sequence:
 
     def rollback(self, n: int) -> None:
         """Hold only the first n tokens."""
+        self.epoch += 1
         self.cache.truncate(n)
         del self.ids[n:]
         self.features_from = min(self.features_from, n)
@@ -132,6 +146,7 @@ class Sequence:
         """Hold `ids`, whose keys and values are k, v [n_layers, n_kv_heads, len(ids), head_dim] (export's)."""
         if k.shape[2] != len(ids):
             raise ValueError(f"{len(ids)} ids for a state of {k.shape[2]} positions")
+        self.epoch += 1
         self.cache.load(k.to(self.model.device), v.to(self.model.device))
         self.ids = list(ids)
         self.features_from = len(ids)

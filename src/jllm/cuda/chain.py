@@ -69,6 +69,9 @@ class GreedyChain:
         `token`, then the one after that, ... at most `limit`. The cache's length follows what has been computed,
         which runs ahead of what was yielded by up to two runs: the caller rolls it back to what it keeps.
         capture, features: the Sequence's (each step's captured row lands in features at its position)."""
+        if limit <= 0:
+            return
+        cache.reserve(1)                      # the capture's eager step writes position start
         state0 = torch.tensor([token, start], dtype=torch.int64).to(cache.k.device)
         graph, state, log, at, host = self._captured(cache, state0, capture, features)
         state.copy_(state0)
@@ -86,7 +89,7 @@ class GreedyChain:
             cache.length = start + done[0] + n
             done[0] += n
             host[first:first + n].copy_(log[first:first + n], non_blocking=True)
-            ev = torch.cuda.Event()
+            ev = torch.cuda.Event(blocking=True)      # its wait sleeps rather than spins a core
             ev.record()
             return first, n, ev
 

@@ -10,7 +10,9 @@ How a row stays its own: every pass is one 16-row tile, its rows padded with zer
 runs the same products in the same order whatever rows share it, and a tensor-core product's output element
 comes from its own row of x only. A sub-block's codes (Q4_K: 32 weights, 0..15; Q6_K: 16 weights, -32..31) are
 f16 integers, exact; x is split into two f16 parts, hi = f16(x) and lo = f16(x - hi), so x's 24 bits meet
-the codes as 22 of them (a relative error ~2^-22, against the f32 kernels' 2^-24 per product); each sub-block's
+the codes as 22 of them (a relative error ~2^-22, against the f32 kernels' 2^-24 per product) where |x| is
+about 0.125 to 65504: past it f16 overflows, below it the low half goes subnormal (a per-row power-of-two scale
+would widen that; to do before this path can be the default); each sub-block's
 products are summed in f32 by the tensor cores, then scaled (the CUDA-core kernels' factoring, regrouped):
     Q4_K:  acc += d * (x . (q * scale)) - dmin * sum over sub-blocks of min * sum(x)   a super-block (256) a step
     Q6_K:  acc += (d * scale) * (x . (q - 32))                                    a group of 16 a step

@@ -4,7 +4,7 @@ pass costs about a decode step rather than k + 1 of them.
 
 What keeps a row bitwise its own: each row has its own sum (acc0 .. acc7, since Triton carries no list of
 tensors through a loop), and its step is the same function of the unpacked weights and its x as a program
-of one row computes, in the same order; rows past M are masked out of the loads and the stores. So a row's
+of one row computes, in the same order; rows past M load the last row again (in bounds) and are not stored. So a row's
 output is the one-row program's whatever rows share its program (tests/test_cuda_matvec.py, and on the GPU
 tests/test_cuda.py's verify passes against single steps).
 """

@@ -82,7 +82,8 @@ class Transformer:
             from jllm.cuda.chain import GreedyChain
             from jllm.cuda.embedding import DeviceEmbedding
 
-            if isinstance(weights.embed, DeviceEmbedding):
+            # the argmax feeds the embedding unchecked: an output row past the table would read past it
+            if isinstance(weights.embed, DeviceEmbedding) and weights.output.out_features <= weights.embed.rows:
                 self.chain = GreedyChain(self._chain_body, self.graphs.pool)
         # a prefill's chunk length: the GPU's passes gain from longer chunks (fewer launches, fewer passes over
         # the dequantized matrices); the CPU's do not, and their activations' memory grows with it
