@@ -31,10 +31,11 @@ KERNELS = {"q4_k": (q4_k._q4_k_matvec, {"x_ptr": "*fp32", "qs_ptr": "*i32", "d_p
                                         "sc_ptr": "*u8", "mn_ptr": "*u8"}),
            "q6_k": (q6_k._q6_k_matvec, {"x_ptr": "*fp32", "ql_ptr": "*i32", "qh_ptr": "*i32", "sc_ptr": "*i8",
                                         "d_ptr": "*fp16"}),
-           "q4_k_mma": (mma._q4_k_mma, {"x_ptr": "*fp32", "qs_ptr": "*i32", "d_ptr": "*fp16", "dmin_ptr": "*fp16",
-                                        "sc_ptr": "*u8", "mn_ptr": "*u8"}),
-           "q6_k_mma": (mma._q6_k_mma, {"x_ptr": "*fp32", "ql_ptr": "*i32", "qh_ptr": "*i32", "sc_ptr": "*i8",
-                                        "d_ptr": "*fp16"})}
+           "q4_k_mma": (mma._q4_k_mma, {"xh_ptr": "*fp16", "xl_ptr": "*fp16", "sh_ptr": "*fp16", "sl_ptr": "*fp16",
+                                        "qs_ptr": "*i32", "d_ptr": "*fp16", "dmin_ptr": "*fp16", "sc_ptr": "*u8",
+                                        "mn_ptr": "*u8"}),
+           "q6_k_mma": (mma._q6_k_mma, {"xh_ptr": "*fp16", "xl_ptr": "*fp16", "ql_ptr": "*i32", "qh_ptr": "*i32",
+                                        "sc_ptr": "*i8", "d_ptr": "*fp16"})}
 DIVISIBLE = ("N", "K", "Y_STRIDE")      # as triton's launcher specialises them for the real shapes (x 16)
 
 
@@ -46,6 +47,7 @@ def main() -> None:
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=1, help="steps of loads in flight (num_stages)")
     ap.add_argument("--rows", type=int, default=1, help="rows of x a program (jllm.cuda.rows)")
+    ap.add_argument("--num-stages", type=int, default=None, help="triton's software pipelining (launch option)")
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--no-asm", action="store_true", help="the interpreter's shifts and masks instead of prmt")
     ap.add_argument("--file", help="the kernel from another copy of its module (an experiment)")
@@ -68,7 +70,8 @@ def main() -> None:
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
              for n, ty in sig.items() if ty.startswith("*") or n in DIVISIBLE}
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
-                       target=GPUTarget("cuda", a.arch, 32), options={"num_warps": a.warps})
+                       target=GPUTarget("cuda", a.arch, 32),
+                       options={"num_warps": a.warps, **({"num_stages": a.num_stages} if a.num_stages else {})})
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])

@@ -1,5 +1,6 @@
 """y = x W^T over Q4_K and Q6_K blocks on the tensor cores, for passes of up to 16 rows (decode and verify), each
-row's sums its own (issue 23; off by default until timed: JLLM_MATVEC_MMA=1).
+row's sums its own (issue 23; off by default until timed: JLLM_MATVEC_MMA=1). x is prepared once a call
+(_x_prep: its f16 halves and the halves of its sub-block sums), then every program reads it.
 
 Why: on the CUDA cores (q4_k.py, q6_k.py) every row of a verify pass pays its own floating-point work on every
 weight: in SASS the Q4_K loop is 193 instructions for a thread's 32 weights with one row and 85 more for each
@@ -31,28 +32,45 @@ from jllm.cuda.q6_k import Q6KWeight
 
 ENABLED = os.environ.get("JLLM_MATVEC_MMA", "0") == "1"
 ROWS = 16                   # every pass is one tile of 16 rows (tl.dot's least)
+BLOCK_N = 64                # outputs a program: x's tile is read once for these (SASS: 6.8 instructions a weight
+                            # for all 16 rows on sm_90 at 64, 15 at 32; benchmarks/cuda_sass.py q4_k_mma)
 
 
 @triton.jit
-def _split(x_ptr, at, ok):
-    """x [16, W] f32 at offsets `at` (rows past M masked to 0) -> its f16 halves and its row sums."""
-    x = tl.load(x_ptr + at, mask=ok, other=0.0)
+def _x_prep(x_ptr, xh_ptr, xl_ptr, sh_ptr, sl_ptr, M, K, NB):
+    """Once a call, for every program of the product: x [M, K] f32 -> its f16 halves xh, xl [16, K] (rows past M
+    zero) and the halves of its sums over each sub-block of 32, sh, sl [16, NB * 16] (a super-block's 8 sums,
+    then 8 zeros: the mins' product needs K = 16)."""
+    r = tl.program_id(0)
+    kb = tl.program_id(1)
+    k = tl.arange(0, 256)
+    x = tl.load(x_ptr + r * K + kb * 256 + k, mask=k < tl.where(r < M, 256, 0), other=0.0)   # rows past M: 0
     hi = x.to(tl.float16)
-    lo = (x - hi.to(tl.float32)).to(tl.float16)
-    return hi, lo, x
+    tl.store(xh_ptr + r * K + kb * 256 + k, hi)
+    tl.store(xl_ptr + r * K + kb * 256 + k, (x - hi.to(tl.float32)).to(tl.float16))
+    sums = tl.sum(tl.reshape(x, (8, 32)), axis=1)                           # [8]
+    j = tl.arange(0, 16)
+    s16 = tl.sum(tl.where(j[:, None] == tl.arange(0, 8)[None, :], sums[None, :], 0.0), axis=1)   # [16], 8 zeros
+    shi = s16.to(tl.float16)
+    tl.store(sh_ptr + r * (NB * 16) + kb * 16 + j, shi)
+    tl.store(sl_ptr + r * (NB * 16) + kb * 16 + j, (s16 - shi.to(tl.float32)).to(tl.float16))
 
 
 @triton.jit
-def _q4_k_mma(x_ptr, qs_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, b_ptr, y_ptr, M, N, K, NB, Y_STRIDE, NB_PART,
-              P_STRIDE, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """A super-block a step: its codes times their sub-block's 6-bit scale (q * scale <= 945: an exact f16
-    integer) in one product of K = 256 with x's halves, times d after; the mins' term from x's sub-block sums."""
+def _q4_k_mma(xh_ptr, xl_ptr, sh_ptr, sl_ptr, qs_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, b_ptr, y_ptr, M, N, K, NB,
+              Y_STRIDE, NB_PART, P_STRIDE, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """A super-block a step, the weights as the product's first operand ([BLOCK_N, 256] x [256, 16 rows]): its
+    codes times their sub-block's 6-bit scale (q * scale <= 945, an exact f16 integer) against x's halves, times
+    d after; the mins' term a product of the 6-bit mins with the halves of x's sub-block sums, times dmin."""
     pid_n = tl.program_id(0)
     part = tl.program_id(1)                        # this program's share of the row's super-blocks
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     live = n < N
+    nn = tl.minimum(n, N - 1)                      # rows past N read the last one (in bounds), are not stored
     m = tl.arange(0, 16)
     k = tl.arange(0, 256)
+    j16 = tl.arange(0, 16)
+    j8 = tl.arange(0, 8)
     # sub-block s's code of weight 16h + 4i + t: nibble h of byte i of its word t (q4_k.pack_codes)
     s = tl.arange(0, 8)[:, None, None, None]
     h = tl.arange(0, 2)[None, :, None, None]
@@ -60,68 +78,63 @@ def _q4_k_mma(x_ptr, qs_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, b_ptr, y_ptr, M, N
     t = tl.arange(0, 4)[None, None, None, :]
     shift = 8 * i + 4 * h + 0 * t + 0 * s                                    # [8, 2, 4, 4]
     word = 4 * s + t + 0 * h + 0 * i
-    j8 = tl.arange(0, 8)
-    acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
     for kb in range(part * NB_PART, tl.minimum(NB, (part + 1) * NB_PART)):
-        w = tl.load(qs_ptr + n[:, None, None, None, None] * (NB * 32) + kb * 32 + word[None],
-                    mask=live[:, None, None, None, None], other=0)           # int32 [BN, 8, 2, 4, 4]
-        meta = n[:, None] * (NB * 8) + kb * 8 + j8[None, :]                  # [BN, 8]
-        sc = tl.load(sc_ptr + meta, mask=live[:, None], other=0).to(tl.int32)
-        mn = tl.load(mn_ptr + meta, mask=live[:, None], other=0).to(tl.float32)
-        q = ((w >> shift[None]) & 15) * sc[:, :, None, None, None]
-        q = tl.reshape(q, (BLOCK_N, 256)).to(tl.float16)
-        xh, xl, x = _split(x_ptr, m[:, None] * K + kb * 256 + k[None, :], (m < M)[:, None])
-        qt = tl.trans(q)                                                     # [256, BN]
-        p = tl.dot(xh, qt, out_dtype=tl.float32)
-        p = tl.dot(xl, qt, p, out_dtype=tl.float32)
-        xs = tl.sum(tl.reshape(x, (16, 8, 32)), axis=2)                     # [16, 8] the sub-blocks' sums
-        mins = tl.sum(xs[:, None, :] * mn[None, :, :], axis=2)              # [16, BN]
-        d = tl.load(d_ptr + n * NB + kb, mask=live, other=0.0).to(tl.float32)
-        dmin = tl.load(dmin_ptr + n * NB + kb, mask=live, other=0.0).to(tl.float32)
-        acc += p * d[None, :] - mins * dmin[None, :]
+        w = tl.load(qs_ptr + nn[:, None, None, None, None] * (NB * 32) + kb * 32 + word[None])   # [BN, 8, 2, 4, 4]
+        sc = tl.load(sc_ptr + nn[:, None] * (NB * 8) + kb * 8 + j8[None, :]).to(tl.float16)    # [BN, 8]
+        q = (((w >> shift[None]) & 15) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+        q = tl.reshape(q * sc[:, :, None, None, None], (BLOCK_N, 256))                           # exact
+        at = m[None, :] * K + kb * 256 + k[:, None]                                              # [256, 16]
+        p = tl.dot(q, tl.load(xh_ptr + at), out_dtype=tl.float32)
+        p = tl.dot(q, tl.load(xl_ptr + at), p, out_dtype=tl.float32)
+        mn = tl.load(mn_ptr + nn[:, None] * (NB * 8) + kb * 8 + j16[None, :], mask=(j16 < 8)[None, :],
+                     other=0).to(tl.float16)                                                     # [BN, 16]
+        sat = m[None, :] * (NB * 16) + kb * 16 + j16[:, None]                                    # [16, 16]
+        mins = tl.dot(mn, tl.load(sh_ptr + sat), out_dtype=tl.float32)
+        mins = tl.dot(mn, tl.load(sl_ptr + sat), mins, out_dtype=tl.float32)
+        d = tl.load(d_ptr + nn * NB + kb).to(tl.float32)
+        dmin = tl.load(dmin_ptr + nn * NB + kb).to(tl.float32)
+        acc += p * d[:, None] - mins * dmin[:, None]
     if HAS_BIAS:
-        acc += tl.load(b_ptr + n, mask=live, other=0.0)[None, :]
-    tl.store(y_ptr + part * P_STRIDE + m[:, None] * Y_STRIDE + n[None, :], acc,
-             mask=(m < M)[:, None] & live[None, :])
+        acc += tl.load(b_ptr + nn)[:, None]
+    tl.store(y_ptr + part * P_STRIDE + m[None, :] * Y_STRIDE + n[:, None], acc, mask=(m < M)[None, :] & live[:, None])
 
 
 @triton.jit
-def _q6_k_mma(x_ptr, ql_ptr, qh_ptr, sc_ptr, d_ptr, b_ptr, y_ptr, M, N, K, NB, Y_STRIDE, NB_PART, P_STRIDE,
-              BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr):
+def _q6_k_mma(xh_ptr, xl_ptr, ql_ptr, qh_ptr, sc_ptr, d_ptr, b_ptr, y_ptr, M, N, K, NB, Y_STRIDE, NB_PART,
+              P_STRIDE, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """A group of 16 weights (one int8 scale) a step, the weights as the first operand: codes q - 32 (exact f16)
+    against x's halves, times d * scale after (q * scale would pass f16's exact integers)."""
     pid_n = tl.program_id(0)
     part = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     live = n < N
+    nn = tl.minimum(n, N - 1)
     m = tl.arange(0, 16)
     k = tl.arange(0, 16)
-    # a group's code of weight 8h + 2j + t: the low 4 bits are nibble h of byte j of ql word t, the high 2 bits
-    # 2 (1 - h)... of the qh word: bits 8j + 4t + 2h, 8j + 4t + 2h + 1 (q6_k.pack_codes, _six_bits)
+    # a group's code of weight 8h + 2j + t: its low 4 bits nibble h of byte j of ql word t, its high 2 bits
+    # bits 8j + 4t + 2h (and + 1) of the group's qh word (q6_k.pack_codes)
     h = tl.arange(0, 2)[:, None, None]
     j = tl.arange(0, 4)[None, :, None]
     t = tl.arange(0, 2)[None, None, :]
     lo_shift = 8 * j + 4 * h + 0 * t                                         # [2, 4, 2]
     hi_shift = 8 * j + 4 * t + 2 * h
     word = 0 * h + 0 * j + t
-    acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-    first = part * NB_PART * 16
-    end = tl.minimum(NB, (part + 1) * NB_PART) * 16
-    for grp in range(first, end):
-        w = tl.load(ql_ptr + n[:, None, None, None] * (NB * 32) + grp * 2 + word[None, :, :, :],
-                    mask=live[:, None, None, None], other=0)                  # int32 [BN, 2, 4, 2]
-        hw = tl.load(qh_ptr + n * (NB * 16) + grp, mask=live, other=0)        # int32 [BN]
-        code = ((w >> lo_shift[None, :, :, :]) & 15) | (((hw[:, None, None, None] >> hi_shift[None, :, :, :]) & 3) << 4)
-        q = (tl.reshape(code, (BLOCK_N, 16)) - 32).to(tl.float16)
-        xh, xl, x = _split(x_ptr, m[:, None] * K + grp * 16 + k[None, :], (m < M)[:, None])
-        qt = tl.trans(q)                                                     # [16, BN]
-        p = tl.dot(xh, qt, out_dtype=tl.float32)
-        p = tl.dot(xl, qt, p, out_dtype=tl.float32)
-        dsc = tl.load(d_ptr + n * NB + grp // 16, mask=live, other=0.0).to(tl.float32) \
-            * tl.load(sc_ptr + n * (NB * 16) + grp, mask=live, other=0).to(tl.float32)
-        acc += p * dsc[None, :]
+    acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+    for grp in range(part * NB_PART * 16, tl.minimum(NB, (part + 1) * NB_PART) * 16):
+        w = tl.load(ql_ptr + nn[:, None, None, None] * (NB * 32) + grp * 2 + word[None])          # [BN, 2, 4, 2]
+        hw = tl.load(qh_ptr + nn * (NB * 16) + grp)                                              # [BN]
+        code = ((w >> lo_shift[None]) & 15) | (((hw[:, None, None, None] >> hi_shift[None]) & 3) << 4)
+        q = (code | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1056.0                  # q - 32, exact
+        q = tl.reshape(q, (BLOCK_N, 16))
+        at = m[None, :] * K + grp * 16 + k[:, None]                                              # [16, 16]
+        p = tl.dot(q, tl.load(xh_ptr + at), out_dtype=tl.float32)
+        p = tl.dot(q, tl.load(xl_ptr + at), p, out_dtype=tl.float32)
+        dsc = tl.load(d_ptr + nn * NB + grp // 16).to(tl.float32) * tl.load(sc_ptr + nn * (NB * 16) + grp).to(tl.float32)
+        acc += p * dsc[:, None]
     if HAS_BIAS:
-        acc += tl.load(b_ptr + n, mask=live, other=0.0)[None, :]
-    tl.store(y_ptr + part * P_STRIDE + m[:, None] * Y_STRIDE + n[None, :], acc,
-             mask=(m < M)[:, None] & live[None, :])
+        acc += tl.load(b_ptr + nn)[:, None]
+    tl.store(y_ptr + part * P_STRIDE + m[None, :] * Y_STRIDE + n[:, None], acc, mask=(m < M)[None, :] & live[:, None])
 
 
 def handles(x: torch.Tensor, w) -> bool:
@@ -132,16 +145,21 @@ def handles(x: torch.Tensor, w) -> bool:
 def launch(x: torch.Tensor, w, y: torch.Tensor, block_n: int, bias: torch.Tensor | None = None, sb: int = 1,
            split: int = 1, stages: int = 1) -> None:
     """y [M, N] (rows y.stride(-2) apart) = x W^T (+ bias); with split > 1, y [split, M, N] holds each share's
-    partial sums (jllm.cuda.matvec adds them). sb, stages: the CUDA-core kernels' (one sub-block a step here)."""
+    partial sums (jllm.cuda.matvec adds them). sb, stages: the CUDA-core kernels' (unused here)."""
     n, k = w.shape
     nb = w.d.shape[1]
     part = -(-nb // split)
+    xh = torch.empty(ROWS, k, dtype=torch.float16, device=x.device)
+    xl = torch.empty_like(xh)
+    sums = torch.empty(2, ROWS, nb * 16, dtype=torch.float16, device=x.device)
+    _x_prep[(ROWS, nb)](x, xh, xl, sums[0], sums[1], x.shape[0], k, nb)
     grid = (triton.cdiv(n, block_n), split)
     b = y if bias is None else bias
-    common = dict(BLOCK_N=block_n, HAS_BIAS=bias is not None, num_warps=4)
+    # one stage: Triton's pipelining would hold ~200 KB of shared memory at 64 outputs, past sm_80's 164 KB
+    common = dict(BLOCK_N=block_n, HAS_BIAS=bias is not None, num_warps=4, num_stages=1)
     if isinstance(w, Q4KWeight):
-        _q4_k_mma[grid](x, w.qs.view(torch.int32), w.d, w.dmin, w.sc, w.mn, b, y, x.shape[0], n, k, nb,
-                        y.stride(-2), part, y.stride(0) if split > 1 else 0, **common)
+        _q4_k_mma[grid](xh, xl, sums[0], sums[1], w.qs.view(torch.int32), w.d, w.dmin, w.sc, w.mn, b, y, x.shape[0],
+                        n, k, nb, y.stride(-2), part, y.stride(0) if split > 1 else 0, **common)
     else:
-        _q6_k_mma[grid](x, w.ql.view(torch.int32), w.qh.view(torch.int32), w.sc, w.d, b, y, x.shape[0], n, k, nb,
+        _q6_k_mma[grid](xh, xl, w.ql.view(torch.int32), w.qh.view(torch.int32), w.sc, w.d, b, y, x.shape[0], n, k, nb,
                         y.stride(-2), part, y.stride(0) if split > 1 else 0, **common)
