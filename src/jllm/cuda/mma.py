@@ -16,7 +16,7 @@ about 0.125 to 65504: past it f16 overflows, below it the low half goes subnorma
 would widen that; to do before this path can be the default); each sub-block's
 products are summed in f32 by the tensor cores, then scaled (the CUDA-core kernels' factoring, regrouped):
     Q4_K:  acc += d * (x . (q * scale)) - dmin * sum over sub-blocks of min * sum(x)   a super-block (256) a step
-    Q6_K:  acc += (d * scale) * (x . (q - 32))                                    a group of 16 a step
+    Q6_K:  acc += d * (16 x . ((q - 32) a) + x . ((q - 32) b)), scale = 16 a + b       a super-block a step
 """
 
 from __future__ import annotations
@@ -103,35 +103,47 @@ def _q4_k_mma(xh_ptr, xl_ptr, sh_ptr, sl_ptr, qs_ptr, d_ptr, dmin_ptr, sc_ptr, m
 @triton.jit
 def _q6_k_mma(xh_ptr, xl_ptr, ql_ptr, qh_ptr, sc_ptr, d_ptr, b_ptr, y_ptr, M, N, K, NB, Y_STRIDE, NB_PART,
               P_STRIDE, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """A group of 16 weights (one int8 scale) a step, the weights as the first operand: codes q - 32 (exact f16)
-    against x's halves, times d * scale after (q * scale would pass f16's exact integers)."""
+    """A super-block a step, the weights as the first operand. (q - 32) * scale can reach 4,064, past f16's exact
+    integers, so the int8 scale is split, scale = 16 a + b (a = scale >> 4 in -8..7, b = scale & 15): the codes
+    times a (|.| <= 256) and times b (<= 480) are two exact f16 tiles, and a super-block is
+    d * (16 (x . (q - 32) a) + x . (q - 32) b)."""
     pid_n = tl.program_id(0)
     part = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     live = n < N
     nn = tl.minimum(n, N - 1)
     m = tl.arange(0, 16)
-    k = tl.arange(0, 16)
-    # a group's code of weight 8h + 2j + t: its low 4 bits nibble h of byte j of ql word t, its high 2 bits
-    # bits 8j + 4t + 2h (and + 1) of the group's qh word (q6_k.pack_codes)
-    h = tl.arange(0, 2)[:, None, None]
-    j = tl.arange(0, 4)[None, :, None]
-    t = tl.arange(0, 2)[None, None, :]
-    lo_shift = 8 * j + 4 * h + 0 * t                                         # [2, 4, 2]
-    hi_shift = 8 * j + 4 * t + 2 * h
-    word = 0 * h + 0 * j + t
+    k = tl.arange(0, 256)
+    # group g's code of weight 8h + 2j + t: its low 4 bits nibble h of byte j of the group's ql word t, its high
+    # 2 bits bits 8j + 4t + 2h (and + 1) of the group's qh word (q6_k.pack_codes)
+    g = tl.arange(0, 16)[:, None, None, None]
+    h = tl.arange(0, 2)[None, :, None, None]
+    j = tl.arange(0, 4)[None, None, :, None]
+    t = tl.arange(0, 2)[None, None, None, :]
+    lo_shift = 8 * j + 4 * h + 0 * t + 0 * g                                 # [16, 2, 4, 2]
+    hi_shift = 8 * j + 4 * t + 2 * h + 0 * g
+    word = 2 * g + t + 0 * h + 0 * j
+    g16 = tl.arange(0, 16)
     acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
-    for grp in range(part * NB_PART * 16, tl.minimum(NB, (part + 1) * NB_PART) * 16):
-        w = tl.load(ql_ptr + nn[:, None, None, None] * (NB * 32) + grp * 2 + word[None])          # [BN, 2, 4, 2]
-        hw = tl.load(qh_ptr + nn * (NB * 16) + grp)                                              # [BN]
-        code = ((w >> lo_shift[None]) & 15) | (((hw[:, None, None, None] >> hi_shift[None]) & 3) << 4)
+    for kb in range(part * NB_PART, tl.minimum(NB, (part + 1) * NB_PART)):
+        w = tl.load(ql_ptr + nn[:, None, None, None, None] * (NB * 32) + kb * 32 + word[None])   # [BN, 16, 2, 4, 2]
+        hw = tl.load(qh_ptr + nn[:, None] * (NB * 16) + kb * 16 + g16[None, :])                  # [BN, 16]
+        code = ((w >> lo_shift[None]) & 15) | (((hw[:, :, None, None, None] >> hi_shift[None]) & 3) << 4)
         q = (code | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1056.0                  # q - 32, exact
-        q = tl.reshape(q, (BLOCK_N, 16))
-        at = m[None, :] * K + grp * 16 + k[:, None]                                              # [16, 16]
-        p = tl.dot(q, tl.load(xh_ptr + at), out_dtype=tl.float32)
-        p = tl.dot(q, tl.load(xl_ptr + at), p, out_dtype=tl.float32)
-        dsc = tl.load(d_ptr + nn * NB + grp // 16).to(tl.float32) * tl.load(sc_ptr + nn * (NB * 16) + grp).to(tl.float32)
-        acc += p * dsc[:, None]
+        sc = tl.load(sc_ptr + nn[:, None] * (NB * 16) + kb * 16 + g16[None, :]).to(tl.int32)     # [BN, 16]
+        hi_sc = (sc >> 4).to(tl.float16)[:, :, None, None, None]
+        lo_sc = (sc & 15).to(tl.float16)[:, :, None, None, None]
+        qa = tl.reshape(q * hi_sc, (BLOCK_N, 256))                                               # exact
+        qb = tl.reshape(q * lo_sc, (BLOCK_N, 256))
+        at = m[None, :] * K + kb * 256 + k[:, None]                                              # [256, 16]
+        xh = tl.load(xh_ptr + at)
+        xl = tl.load(xl_ptr + at)
+        pa = tl.dot(qa, xh, out_dtype=tl.float32)
+        pa = tl.dot(qa, xl, pa, out_dtype=tl.float32)
+        pb = tl.dot(qb, xh, out_dtype=tl.float32)
+        pb = tl.dot(qb, xl, pb, out_dtype=tl.float32)
+        d = tl.load(d_ptr + nn * NB + kb).to(tl.float32)
+        acc += (16.0 * pa + pb) * d[:, None]
     if HAS_BIAS:
         acc += tl.load(b_ptr + nn)[:, None]
     tl.store(y_ptr + part * P_STRIDE + m[None, :] * Y_STRIDE + n[:, None], acc, mask=(m < M)[None, :] & live[:, None])
