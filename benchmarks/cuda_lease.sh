@@ -17,6 +17,7 @@
 #   spec     jllm bench --spec on the corpus with the head, on the GPU
 #   serve    benchmarks/serve_load.py against `jllm serve --device cuda` with the head
 # ROWS="8 1": bench and spec once per JLLM_MATVEC_ROWS value (rows of x a matvec program; 1: a program a row).
+# MMA="0 1": tests, bench and spec once per JLLM_MATVEC_MMA value (1: the tensor-core kernels, jllm.cuda.mma).
 # build: only start llama.cpp's build (from the first call, so that it is done when `llamacpp` runs).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -29,6 +30,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 S15=${MODEL:-/tmp/s15.gguf}
 TAG=${TAG:-s15}
 ROWS=${ROWS:-8}
+MMA=${MMA:-0}
 [ -n "${MODEL:-}" ] || [ -f $S15 ] || python3 benchmarks/synthetic_gguf.py $S15 --shape qwen2.5-1.5b --dtype q4_k_m
 LB=/tmp/lcpp/build/bin/llama-bench
 if { want llamacpp || want build; } && [ ! -x $LB ] && [ ! -f /tmp/lcpp/started ] && [ -f .xfer/lcpp.tar.xz ]; then
@@ -39,9 +41,11 @@ if { want llamacpp || want build; } && [ ! -x $LB ] && [ ! -f /tmp/lcpp/started 
     cmake --build /tmp/lcpp/build -j 14 --target llama-bench" > /tmp/lcpp/build.log 2>&1 &
 fi
 if [ -z "$ARGS" ] || want tests; then
-  python3 -m pytest -q --tb=line tests/test_cuda.py tests/test_cuda_matvec.py tests/test_cuda_attention.py \
-    tests/test_cuda_fused.py tests/test_cuda_head.py 2>&1 \
-    | tee "$OUT/tests.log" | tail -25
+  for t in $MMA; do
+    JLLM_MATVEC_MMA=$t python3 -m pytest -q --tb=line tests/test_cuda.py tests/test_cuda_matvec.py \
+      tests/test_cuda_attention.py tests/test_cuda_fused.py tests/test_cuda_head.py 2>&1 \
+      | tee "$OUT/tests_mma$t.log" | tail -25
+  done
 fi
 if [ -z "$ARGS" ] || want matvec; then
   python3 benchmarks/cuda_matvec.py --rows 1 --block-n 8 16 --sb 1 2 --split 1 5 7 --stages 1 3 --reps 50 \
@@ -53,19 +57,20 @@ if [ -z "$ARGS" ] || want profile; then
   $RUN --script benchmarks/cuda_profile.py $S15 2>&1 | tee "$OUT/profile.log"
 fi
 if [ -z "$ARGS" ] || want bench; then
-  for r in $ROWS; do
-    JLLM_MATVEC_ROWS=$r $RUN bench -m $S15 --device cuda --precision blocks --json "$OUT/bench_${TAG}_r$r.json" \
-      2>&1 | tee "$OUT/bench_${TAG}_r$r.log"
-  done
+  for t in $MMA; do for r in $ROWS; do
+    JLLM_MATVEC_MMA=$t JLLM_MATVEC_ROWS=$r $RUN bench -m $S15 --device cuda --precision blocks \
+      --json "$OUT/bench_${TAG}_r${r}_mma$t.json" 2>&1 | tee "$OUT/bench_${TAG}_r${r}_mma$t.log"
+  done; done
 fi
 if want spec || want serve; then
   : "${HEAD:?spec and serve need HEAD=the head file}"
 fi
 if want spec; then
-  for r in $ROWS; do
-    JLLM_MATVEC_ROWS=$r python3 -m jllm bench --spec -m $S15 -md "$HEAD" --device cuda --precision blocks -n 128 \
-      --json "$OUT/spec_${TAG}_r$r.json" 2>&1 | tee "$OUT/spec_${TAG}_r$r.log" | tail -16
-  done
+  for t in $MMA; do for r in $ROWS; do
+    JLLM_MATVEC_MMA=$t JLLM_MATVEC_ROWS=$r python3 -m jllm bench --spec -m $S15 -md "$HEAD" --device cuda \
+      --precision blocks -n 128 --json "$OUT/spec_${TAG}_r${r}_mma$t.json" 2>&1 \
+      | tee "$OUT/spec_${TAG}_r${r}_mma$t.log" | tail -16
+  done; done
 fi
 if want serve; then
   python3 benchmarks/serve_load.py -m $S15 --requests 64 --concurrency 4 --max-tokens 64 \
