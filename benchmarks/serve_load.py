@@ -98,7 +98,8 @@ def main() -> None:
     port = free_port()
     cache = tempfile.mkdtemp(prefix="jllm-serve-bench-")
     proc = subprocess.Popen([sys.executable, "-m", "jllm", "serve", "-m", a.model, "--port", str(port),
-                             "--cache-dir", cache, *shlex.split(a.server_args)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                             "--cache-dir", cache, *shlex.split(a.server_args)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         wait_ready(port, proc)
         client = httpx.Client(base_url=f"http://127.0.0.1:{port}/v1", timeout=600)

@@ -9,14 +9,14 @@ weight 16 + 4i + t in the high nibble. So one mask of a word gives four codes a 
 them into floats), and the four words of a sub-block meet x at four consecutive positions per code slot, one
 vector load of x for four words.
 
-The kernel (`launch`, called by jllm.cuda.matvec) computes each output y[m, n] from its own row x[m] only,
-with one fixed order of operations whatever the number of rows M: one program per (up to 8 rows of x, each
-with its own sums: jllm.cuda.rows; BLOCK_N outputs), a loop over the super-blocks, SB of them a step; per word the eight codes' products with x summed
-into the word's own float32 sum, then d * scale * that - dmin * min * (x's sum over the word's positions), the
-dequantized weights' dot product factored. So a verify pass over k + 1 rows gives each row the logits of a
-pass over that row alone, bit for bit, which exact speculation on the GPU needs (tests/test_cuda_matvec.py).
-Without a GPU the same kernel runs in Triton's interpreter (TRITON_INTERPRET=1), which is how the tests check it
-on the CPU.
+The kernel (`launch`, called by jllm.cuda.matvec) computes each output y[m, n] from its own row x[m] only, with one
+fixed order of operations whatever the number of rows M: one program per (up to 8 rows of x, each with its own sums:
+jllm.cuda.rows; BLOCK_N outputs), a loop over the super-blocks, SB of them a step; per word the eight codes'
+products with x summed into the word's own float32 sum, then d * scale * that - dmin * min * (x's sum over the
+word's positions), the dequantized weights' dot product factored. So a verify pass over k + 1 rows gives each row
+the logits of a pass over that row alone, bit for bit, which exact speculation on the GPU needs
+(tests/test_cuda_matvec.py). Without a GPU the same kernel runs in Triton's interpreter (TRITON_INTERPRET=1), which
+is how the tests check it on the CPU.
 """
 
 from __future__ import annotations

@@ -175,11 +175,12 @@ class Eagle3Head:
     @torch.inference_mode()
     def tree_step(self, tokens: list[int], states: torch.Tensor, paths: list[list[tuple[torch.Tensor, torch.Tensor]]]
                   ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """One draft step of several branches of a tree at the same depth j >= 1: tokens [W] (target ids, as
-        step() takes), states [W, D] (each branch's parent's output state), paths[w] the keys and values of its
-        j - 1 ancestors' steps (from earlier tree_step calls), in depth order. Row w stands at position length + j - 1 and sees the head's cache (positions
-        0 .. length - 1), its ancestors and itself; the cache's length does not move (its slots past it are
-        scratch). -> (logits [W, Vd], out states [W, D], each row's own (key, value) for its children's paths).
+        """One draft step of several branches of a tree at the same depth j >= 1: tokens [W] (target ids, as step()
+        takes), states [W, D] (each branch's parent's output state), paths[w] the keys and values of its j - 1
+        ancestors' steps (from earlier tree_step calls), in depth order. Row w stands at position length + j - 1 and
+        sees the head's cache (positions 0 .. length - 1), its ancestors and itself; the cache's length does not
+        move (its slots past it are scratch). -> (logits [W, Vd], out states [W, D], each row's own (key, value) for
+        its children's paths).
         The matrices run once for all rows; attention, row by row."""
         c, kern = self.cfg, self.kernels
         W, j = len(tokens), len(paths[0]) + 1
