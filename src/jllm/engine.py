@@ -334,7 +334,7 @@ class Engine:
             self.save_state(conv_id)
 
     def _plain_tokens(self, logits: torch.Tensor, params: SamplingParams, budget: int) -> Iterator[int]:
-        if params.greedy and params.repeat_penalty == 1.0 and self.target.chains():
+        if params.argmax_only and self.target.chains():
             yield from self._chained_tokens(logits, budget)
             return
         gen = make_generator(params.seed)

@@ -50,6 +50,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def argmax_only(self) -> bool:
+        """Greedy without a repeat penalty: the next token is the logits' own argmax, which needs no history
+        (what trees of drafts and the GPU's chained steps decide on)."""
+        return self.greedy and self.repeat_penalty == 1.0
+
 
 def apply_repeat_penalty(logits: torch.Tensor, history: list[int], penalty: float, last_n: int) -> torch.Tensor:
     """logits: [V]. Divide positive / multiply negative logits of recently seen tokens (llama.cpp, CTRL).

@@ -68,7 +68,7 @@ class SpeculativeDecoder:
             before, leaf, tree = len(target), proposal.leaf, proposal.tree
             block = [last] + proposal.tokens + ([leaf[1]] if leaf else [])
             if tree is not None:                    # greedy only: rows past the first chain are tree rows
-                if not params.greedy or params.repeat_penalty != 1.0:
+                if not params.argmax_only:
                     raise ValueError("a tree of drafts is verified greedily only; this generation samples")
                 chain = next((j for j, p in enumerate(tree) if p != j), len(tree))
                 out = target.forward(block, tree=tree[chain:])
@@ -104,7 +104,7 @@ class SpeculativeDecoder:
                         p.tokens = p.tokens[:ngram_keep(len(p.tokens), *self.ngram_held, pays)]
                     return p
             if self.draft is not None and self.gate.choose() == "draft":
-                greedy = params.greedy and params.repeat_penalty == 1.0
+                greedy = params.argmax_only
                 leaf_p = cfg.leaf_p if self.leaves and greedy and (not cfg.leaf_gate or self.gate.leaf_pays()) \
                     else 0.0
                 tree = (cfg.tree_width, cfg.tree_branches, min(cfg.tree_nodes, room), cfg.tree_p) \

@@ -11,9 +11,9 @@ for the position of d(i+1), row k the one after the whole draft. Walking the dra
 So every verify emits n + 1 tokens: n accepted plus one recovered or bonus token.
 
 A side leaf (greedy only): the block may end with one more row, an alternative token for draft position i,
-verified as if it stood at position i (a tree of one row: Transformer.forward's `tree`). It is taken when the draft's chain
-breaks exactly at i and the target's token there is the leaf's: then it counts as accepted, and the token
-after it (its row's argmax) is the bonus.
+verified as if it stood at position i (a tree of one row: Transformer.forward's `tree`). It is taken when the
+draft's chain breaks exactly at i and the target's token there is the leaf's: then it counts as accepted, and
+the token after it (its row's argmax) is the bonus.
 
 Greedy (temperature 0): accept while d_i equals the target's argmax; the output is the target's greedy output.
 Sampled: speculative sampling (Leviathan, Kalman & Matias 2023, "Fast Inference from Transformers via
