@@ -190,7 +190,7 @@ class Eagle3Head:
             raise JllmError(f"the eagle3 head's context is full ({self.cos.shape[0]} positions)")
         if any(len(p) != j - 1 for p in paths) or len(paths) != W:
             raise ValueError("tree_step: every row's path has the same depth")
-        qk, v, g, gn = self._qkv(torch.tensor(tokens, dtype=torch.int64), states)
+        qk, v, g, gn = self._qkv(self.embed(torch.tensor(tokens, dtype=torch.int64)), states)
         H, Hk, hd = c.n_heads, c.n_kv_heads, c.head_dim
         kc, vc = self.cache.k[0], self.cache.v[0]                         # [Hk, L, hd]
         cos, sin = self.cos[pos:pos + 1], self.sin[pos:pos + 1]
@@ -232,7 +232,7 @@ class Eagle3Head:
                 logits, out = self._blocks_body(x, self.cache, torch.arange(start, start + T, device=self.device))
             self.cache.length = start + T
             return (logits[-1:] if last_only else logits), out
-        qk, v, g, gn = self._qkv(tokens, g)
+        qk, v, g, gn = self._qkv(self.embed(tokens), g)
         H = c.n_heads
         cos, sin = self.cos[start:start + T], self.sin[start:start + T]
         kc, vc = self.cache.k[0], self.cache.v[0]                         # [Hk, L, hd]
@@ -256,14 +256,8 @@ class Eagle3Head:
         from jllm.cuda import fused
         from jllm.cuda.attention import attention
 
-        c = self.cfg
-        T, D = x.shape[0], x.shape[1] // 2
-        H, Hk, hd = c.n_heads, c.n_kv_heads, c.head_dim
-        g = x[:, D:].contiguous()
-        gn = self._norm(g, self.hidden_norm)
-        qkv = self.qkv(torch.cat([self._norm(x[:, :D].contiguous(), self.attn_norm), gn], dim=1))
-        split = (H + Hk) * hd
-        qk, v = qkv[:, :split].view(T, H + Hk, hd), qkv[:, split:].view(T, Hk, hd)
+        c, D = self.cfg, x.shape[1] // 2
+        qk, v, g, gn = self._qkv(x[:, :D], x[:, D:])
         kc, vc = cache.k[0], cache.v[0]                                   # [Hk, L, hd]
         q = fused.rope_store(qk, v, pos, self.cos, self.sin, False, c.rope_dim, kc, vc)
         out = self._mlp(attention(q, kc, vc, pos, 0, c.attn_scale), g, gn)
@@ -271,11 +265,11 @@ class Eagle3Head:
 
     # ------------------------------------------------------------------------------------------- internals
 
-    def _qkv(self, tokens: torch.Tensor, g: torch.Tensor):
-        """The layer before attention: tokens [T] (target ids), g [T, D] -> q and k [T, H + Hk, hd] before
-        RoPE, v [T, Hk, hd], g as float32 and its norm gn."""
+    def _qkv(self, e: torch.Tensor, g: torch.Tensor):
+        """The layer before attention: e [T, D] (the tokens' embedding rows as stored, never scaled), g [T, D]
+        -> q and k [T, H + Hk, hd] before RoPE, v [T, Hk, hd], g as float32 and its norm gn."""
         c = self.cfg
-        e = self._norm(self.embed(tokens).contiguous(), self.attn_norm)   # the rows as stored (never scaled)
+        e = self._norm(e.contiguous(), self.attn_norm)
         g = g.float().contiguous()
         gn = self._norm(g, self.hidden_norm)
         qkv = self.qkv(torch.cat([e, gn], dim=1))                         # [T, q + 2 kv]
