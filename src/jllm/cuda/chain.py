@@ -76,18 +76,20 @@ class GreedyChain:
         graph, state, log, at, host = self._captured(cache, state0, capture, features)
         state.copy_(state0)
         at.zero_()
-        done = [0, None]                      # steps launched; the run in flight (its first log slot, count, event)
+        done = 0                              # steps launched
 
         def launch() -> tuple[int, int, torch.cuda.Event] | None:
-            n = min(CHAIN, limit - done[0])
+            """The next run: (its first log slot, its steps, the event after its tokens' copy), or None."""
+            nonlocal done
+            n = min(CHAIN, limit - done)
             if n <= 0:
                 return None
             cache.reserve(n)                  # raises past the cache's end, before anything is written there
-            first = done[0] % (2 * CHAIN)
+            first = done % (2 * CHAIN)
             for _ in range(n):
                 graph.replay()
-            cache.length = start + done[0] + n
-            done[0] += n
+            done += n
+            cache.length = start + done
             host[first:first + n].copy_(log[first:first + n], non_blocking=True)
             ev = torch.cuda.Event(blocking=True)      # its wait sleeps rather than spins a core
             ev.record()
