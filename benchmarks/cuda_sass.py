@@ -32,9 +32,10 @@ KERNELS = {"q4_k": (q4_k._q4_k_matvec, {"x_ptr": "*fp32", "qs_ptr": "*i32", "d_p
            "q6_k": (q6_k._q6_k_matvec, {"x_ptr": "*fp32", "ql_ptr": "*i32", "qh_ptr": "*i32", "sc_ptr": "*i8",
                                         "d_ptr": "*fp16"}),
            "q4_k_mma": (mma._q4_k_mma, {"xh_ptr": "*fp16", "xl_ptr": "*fp16", "sh_ptr": "*fp16", "sl_ptr": "*fp16",
+                                        "inv_ptr": "*fp32",
                                         "qs_ptr": "*i32", "d_ptr": "*fp16", "dmin_ptr": "*fp16", "sc_ptr": "*u8",
                                         "mn_ptr": "*u8"}),
-           "q6_k_mma": (mma._q6_k_mma, {"xh_ptr": "*fp16", "xl_ptr": "*fp16", "ql_ptr": "*i32", "qh_ptr": "*i32",
+           "q6_k_mma": (mma._q6_k_mma, {"xh_ptr": "*fp16", "xl_ptr": "*fp16", "inv_ptr": "*fp32", "ql_ptr": "*i32", "qh_ptr": "*i32",
                                         "sc_ptr": "*i8", "d_ptr": "*fp16"})}
 DIVISIBLE = ("N", "K", "Y_STRIDE")      # as triton's launcher specialises them for the real shapes (x 16)
 

@@ -346,3 +346,32 @@ def test_the_tensor_core_kernels_match_the_cpu_and_keep_each_row_its_own(kind, m
         if DEV == "cuda":
             assert torch.equal(matvec(x[3:9], w, bias=bias, split=split), y[3:9])
     assert not mma.handles(torch.zeros(17, k, device=DEV), w)   # past 16 rows: the other kernels
+
+
+@pytest.mark.parametrize("kind", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_the_tensor_core_kernels_keep_x_of_any_magnitude_to_f32_precision(kind, monkeypatch):
+    """x meets the f16 tensor cores scaled by a power of two per row and super-block: rows far outside f16's
+    range (1e-7, 1e7), a zero row, and a row whose super-blocks differ by 10^12 each come out as exactly as a
+    row of ordinary values."""
+    import jllm.cuda.mma as mma
+
+    monkeypatch.setattr(mma, "ENABLED", True)
+    n, k = 16, 768
+    raw = random_blocks(kind, n, k, seed=31)
+    w = TYPES[kind][0](raw, (n, k), DEV)
+    g = torch.Generator().manual_seed(32)
+    x = torch.randn(6, k, generator=g)
+    x[1] *= 1e-7
+    x[2] *= 1e7
+    x[3] = 0.0
+    x[4, :256] *= 1e6
+    x[4, 256:512] *= 1e-6
+    x[5, ::7] = 0.0
+    ref = dequantize(raw.numpy(), kind, (n, k)).double()
+    y = matvec(x.to(DEV), w).double().cpu()
+    for i in range(6):
+        want = x[i].double() @ ref.T
+        # error against the row's own magnitude: |x| . |w|, as for the f32 kernels
+        bound = (x[i].double().abs() @ ref.abs().T) * 2e-6 + 1e-300
+        assert torch.all((y[i] - want).abs() <= bound), i
+    assert torch.equal(y[3], torch.zeros(n, dtype=torch.float64))
