@@ -375,3 +375,25 @@ def test_the_tensor_core_kernels_keep_x_of_any_magnitude_to_f32_precision(kind, 
         bound = (x[i].double().abs() @ ref.abs().T) * 2e-6 + 1e-300
         assert torch.all((y[i] - want).abs() <= bound), i
     assert torch.equal(y[3], torch.zeros(n, dtype=torch.float64))
+
+
+def test_a_layer_of_q4_k_and_q6_k_parts_prepares_x_once_for_both(monkeypatch):
+    """q|k|v as the Q4_K_M files hold it (Q4_K q|k, Q6_K v) on the tensor cores: one jllm.cuda.mma.prepare a
+    call, in both types' orders, and every part's columns as its own product over x."""
+    import jllm.cuda.mma as mma
+    from jllm.cuda.linear import BlocksLinear
+
+    monkeypatch.setattr(mma, "ENABLED", True)
+    calls = []
+    real = mma.prepare
+    monkeypatch.setattr(mma, "prepare", lambda x, ws: calls.append([type(w).__name__ for w in ws]) or real(x, ws))
+    n, k = 32, 512
+    raws = [random_blocks(kind, n, k, seed=40 + i) for i, kind in enumerate((T.Q4_K, T.Q6_K))]
+    parts = [TYPES[kind][0](raw, (n, k), DEV) for raw, kind in zip(raws, (T.Q4_K, T.Q6_K))]
+    bias = torch.randn(2 * n, generator=torch.Generator().manual_seed(42)).to(DEV)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(43)).to(DEV)
+    y = BlocksLinear(parts, bias)(x).double().cpu()
+    assert calls == [["Q4KWeight", "Q6KWeight"]]                     # once, for both
+    want = torch.cat([x.double().cpu() @ dequantize(raw.numpy(), kind, (n, k)).double().T
+                      for raw, kind in zip(raws, (T.Q4_K, T.Q6_K))], dim=1) + bias.double().cpu()
+    assert torch.allclose(y, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())

@@ -73,11 +73,14 @@ class BlocksLinear:
         self.out_features = sum(s[0] for s in shapes)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        from jllm.cuda import mma
         from jllm.cuda.matvec import matvec
 
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features).float()
+        x2 = x.reshape(-1, self.in_features).float().contiguous()
         y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32, device=x.device)
+        cores = [p for p in self.parts if mma.handles(x2, p)]
+        prep = mma.prepare(x2, cores) if cores else None            # one x for all of them (q|k|v: both types)
         at = 0
         for p in self.parts:                   # each part writes its columns of y, adding its part of the bias
             n = p.shape[0]
@@ -87,7 +90,7 @@ class BlocksLinear:
             if dense is not None:
                 cols.copy_(F.linear(x2.to(dense.dtype), dense).float() + (0 if bias is None else bias))
             else:
-                matvec(x2, p, out=cols, bias=bias)
+                matvec(x2, p, out=cols, bias=bias, prep=prep)
             at += n
         return y.reshape(*lead, self.out_features)
 

@@ -52,16 +52,18 @@ def _add_parts(p_ptr, b_ptr, y_ptr, N, MN, Y_STRIDE, SPLIT: tl.constexpr, BLOCK:
 
 def matvec(x: torch.Tensor, w, block_n: int | None = None, out: torch.Tensor | None = None,
            bias: torch.Tensor | None = None, sb: int | None = None, split: int | None = None,
-           stages: int | None = None) -> torch.Tensor:
+           stages: int | None = None, prep=None) -> torch.Tensor:
     """x [M, K] (float32 or bfloat16) -> y = x W^T (+ bias) [M, N] float32, written into `out` when given (a
     column range of a wider output: its rows may be further apart). block_n, sb, split, stages: the kernel's
-    setting, by default setting(w) (benchmarks try others)."""
+    setting, by default setting(w) (benchmarks try others). prep: x as jllm.cuda.mma.prepare made it, for the
+    tensor cores' kernels (made here if needed and not given)."""
     launch = _KERNELS.get(type(w))
     if launch is None:
         raise TypeError(f"no GPU kernel for {type(w).__name__}")
     n, k = w.shape
     default = setting(w)
-    if mma.handles(x, w):                     # the tensor cores' kernels (JLLM_MATVEC_MMA=1): 16 outputs a program
+    tensor_cores = mma.handles(x, w)          # the tensor cores' kernels (JLLM_MATVEC_MMA=1)
+    if tensor_cores:
         launch, block_n = mma.launch, max(16, block_n or mma.BLOCK_N)     # 16: tl.dot's least
     block_n, sb, split, stages = block_n or default[0], sb or default[1], split or default[2], stages or default[3]
     if x.dim() != 2 or x.shape[1] != k:
@@ -73,11 +75,12 @@ def matvec(x: torch.Tensor, w, block_n: int | None = None, out: torch.Tensor | N
     if not isinstance(w, _SPLITS):
         launch(x, w, y, block_n, bias, sb)
         return y
+    more = dict(prep=prep) if tensor_cores else {}
     if split == 1:
-        launch(x, w, y, block_n, bias, sb, 1, stages)
+        launch(x, w, y, block_n, bias, sb, 1, stages, **more)
         return y
     parts = torch.empty(split, x.shape[0], n, dtype=torch.float32, device=x.device)
-    launch(x, w, parts, block_n, None, sb, split, stages)
+    launch(x, w, parts, block_n, None, sb, split, stages, **more)
     _add_parts[(x.shape[0], triton.cdiv(n, 1024))](parts, y if bias is None else bias, y, n, x.shape[0] * n,
                                                     y.stride(0), SPLIT=split, BLOCK=1024, HAS_BIAS=bias is not None)
     return y

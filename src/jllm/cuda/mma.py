@@ -35,6 +35,7 @@ instructions a weight for all 16 rows, Q6_K 6.3 (sm_90); the CUDA-core kernels t
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -49,7 +50,6 @@ ENABLED = os.environ.get("JLLM_MATVEC_MMA", "0") == "1"
 ROWS = 16                   # every pass is one tile of 16 rows (tl.dot's least)
 BLOCK_N = 64                # outputs a program: x's tile is read once for these (SASS, sm_90: 3.5 / 6.3
                             # instructions a weight at 64, 8.9 / 18 at 32, 3.5 / 8.8 at 128)
-Q4, Q6 = 4, 6               # _x_prep's KIND: whose order of a super-block's weights, and whether it sums
 
 
 @triton.jit
@@ -70,30 +70,39 @@ def _kx(f, KIND: tl.constexpr):
 
 
 @triton.jit
-def _x_prep(x_ptr, xh_ptr, xl_ptr, sh_ptr, sl_ptr, inv_ptr, M, K, NB, KIND: tl.constexpr):
-    """Once a call, for every program of the product: x [M, K] f32 -> per row and super-block a power of two
-    2^e putting its largest magnitude into [2^9, 2^10) (inv [16, NB]: 2^-e), x * 2^e's f16 halves xh, xl
-    [16, K] in the codes' order (_kx; rows past M zero), and for Q4_K the halves of its sums over each
-    sub-block of 32, sh, sl [16, NB * 16] (a super-block's 8 sums, then 8 zeros: the mins' product needs K =
-    16)."""
+def _x_prep(x_ptr, xh4_ptr, xl4_ptr, sh_ptr, sl_ptr, xh6_ptr, xl6_ptr, inv_ptr, M, K, NB, Q4: tl.constexpr,
+            Q6: tl.constexpr):
+    """Once a call, for every program of every product over x: x [M, K] f32 -> per row and super-block a power
+    of two 2^e putting its largest magnitude into [2^9, 2^10) (inv [16, NB]: 2^-e), and x * 2^e's f16 halves
+    [16, K] in the codes' order of Q4_K (xh4, xl4, with the halves of x's sums over each sub-block of 32, sh,
+    sl [16, NB * 16]: a super-block's 8 sums, then 8 zeros, as the mins' product needs K = 16) and of Q6_K
+    (xh6, xl6), as asked (_kx). Rows past M are zeros."""
     r = tl.program_id(0)
     kb = tl.program_id(1)
     f = tl.arange(0, 256)
-    x = tl.load(x_ptr + r * K + kb * 256 + _kx(f, KIND), mask=f < tl.where(r < M, 256, 0), other=0.0)
-    top = tl.max(tl.abs(x), axis=0)
+    live = f < tl.where(r < M, 256, 0)
+    row = x_ptr + r * K + kb * 256
+    top = tl.max(tl.abs(tl.load(row + f, mask=live, other=0.0)), axis=0)
     e = tl.minimum(tl.maximum(136 - ((top.to(tl.int32, bitcast=True) >> 23) & 255), -126), 126)
-    x = x * ((e + 127) << 23).to(tl.float32, bitcast=True)                   # exact: a power of two
+    scale = ((e + 127) << 23).to(tl.float32, bitcast=True)                  # x * scale: exact, a power of two
     tl.store(inv_ptr + r * NB + kb, ((127 - e) << 23).to(tl.float32, bitcast=True))
-    hi = x.to(tl.float16)
-    tl.store(xh_ptr + r * K + kb * 256 + f, hi)
-    tl.store(xl_ptr + r * K + kb * 256 + f, (x - hi.to(tl.float32)).to(tl.float16))
-    if KIND == 4:
+    at = r * K + kb * 256 + f
+    if Q4:
+        x = tl.load(row + _kx(f, 4), mask=live, other=0.0) * scale
+        hi = x.to(tl.float16)
+        tl.store(xh4_ptr + at, hi)
+        tl.store(xl4_ptr + at, (x - hi.to(tl.float32)).to(tl.float16))
         sums = tl.sum(tl.reshape(x, (8, 32)), axis=1)                        # [8]: f's sub-blocks are 32 apart
         j = tl.arange(0, 16)
         s16 = tl.sum(tl.where(j[:, None] == tl.arange(0, 8)[None, :], sums[None, :], 0.0), axis=1)   # 8 zeros
         shi = s16.to(tl.float16)
         tl.store(sh_ptr + r * (NB * 16) + kb * 16 + j, shi)
         tl.store(sl_ptr + r * (NB * 16) + kb * 16 + j, (s16 - shi.to(tl.float32)).to(tl.float16))
+    if Q6:
+        x = tl.load(row + _kx(f, 6), mask=live, other=0.0) * scale
+        hi = x.to(tl.float16)
+        tl.store(xh6_ptr + at, hi)
+        tl.store(xl6_ptr + at, (x - hi.to(tl.float32)).to(tl.float16))
 
 
 @triton.jit
@@ -235,27 +244,53 @@ def handles(x: torch.Tensor, w) -> bool:
     return ENABLED and isinstance(w, (Q4KWeight, Q6KWeight)) and x.shape[0] <= ROWS
 
 
+@dataclass
+class Prepared:
+    """x made ready once for every tensor-core product over it in one call (_x_prep): its scales, and its
+    halves in the order of each block type asked for (None where not)."""
+    inv: torch.Tensor
+    q4: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None      # xh, xl, sums' hi, lo
+    q6: tuple[torch.Tensor, torch.Tensor] | None                                  # xh, xl
+
+
+def prepare(x: torch.Tensor, weights) -> Prepared:
+    """x [M <= 16, K] f32 for the products over `weights` (Q4KWeight / Q6KWeight, all of K inputs): one launch.
+    Every part of a layer (q|k|v: Q4_K and Q6_K) then reads the same prepared x."""
+    k = x.shape[1]
+    nb = k // 256
+    q4 = any(isinstance(w, Q4KWeight) for w in weights)
+    q6 = any(isinstance(w, Q6KWeight) for w in weights)
+    half = dict(dtype=torch.float16, device=x.device)
+    inv = torch.empty(ROWS, nb, dtype=torch.float32, device=x.device)
+    p4 = (torch.empty(ROWS, k, **half), torch.empty(ROWS, k, **half), torch.empty(ROWS, nb * 16, **half),
+          torch.empty(ROWS, nb * 16, **half)) if q4 else None
+    p6 = (torch.empty(ROWS, k, **half), torch.empty(ROWS, k, **half)) if q6 else None
+    a, b = p4 or (inv, inv, inv, inv), p6 or (inv, inv)         # unused pointers where a type is not asked for
+    _x_prep[(ROWS, nb)](x, a[0], a[1], a[2], a[3], b[0], b[1], inv, x.shape[0], k, nb, Q4=q4, Q6=q6)
+    return Prepared(inv, p4, p6)
+
+
 def launch(x: torch.Tensor, w, y: torch.Tensor, block_n: int, bias: torch.Tensor | None = None, sb: int = 1,
-           split: int = 1, stages: int = 1) -> None:
+           split: int = 1, stages: int = 1, prep: Prepared | None = None) -> None:
     """y [M, N] (rows y.stride(-2) apart) = x W^T (+ bias); with split > 1, y [split, M, N] holds each share's
-    partial sums (jllm.cuda.matvec adds them). sb, stages: the CUDA-core kernels' (unused here)."""
+    partial sums (jllm.cuda.matvec adds them). prep: x already prepared for w's type (else prepared here). sb,
+    stages: the CUDA-core kernels' (unused here)."""
     n, k = w.shape
     nb = w.d.shape[1]
     part = -(-nb // split)
     q4 = isinstance(w, Q4KWeight)
-    xh = torch.empty(ROWS, k, dtype=torch.float16, device=x.device)
-    xl = torch.empty_like(xh)
-    sums = torch.empty(2, ROWS, nb * 16 if q4 else 1, dtype=torch.float16, device=x.device)
-    inv = torch.empty(ROWS, nb, dtype=torch.float32, device=x.device)
-    _x_prep[(ROWS, nb)](x, xh, xl, sums[0], sums[1], inv, x.shape[0], k, nb, KIND=Q4 if q4 else Q6)
+    if prep is None or (prep.q4 if q4 else prep.q6) is None:
+        prep = prepare(x, [w])
     grid = (triton.cdiv(n, block_n), split)
     b = y if bias is None else bias
     # one stage: Triton's pipelining would hold ~200 KB of shared memory at 64 outputs, past sm_80's 164 KB
     common = dict(BLOCK_N=block_n, HAS_BIAS=bias is not None, USE_ASM=ASM, num_warps=4, num_stages=1)
     p_stride = y.stride(0) if split > 1 else 0
     if q4:
-        _q4_k_mma[grid](xh, xl, sums[0], sums[1], inv, w.qs.view(torch.int32), w.d, w.dmin, w.sc, w.mn, b, y,
+        xh, xl, sh, sl = prep.q4
+        _q4_k_mma[grid](xh, xl, sh, sl, prep.inv, w.qs.view(torch.int32), w.d, w.dmin, w.sc, w.mn, b, y,
                         x.shape[0], n, k, nb, y.stride(-2), part, p_stride, **common)
     else:
-        _q6_k_mma[grid](xh, xl, inv, w.ql.view(torch.int32), w.qh.view(torch.int32), w.sc, w.d, b, y, x.shape[0], n,
-                        k, nb, y.stride(-2), part, p_stride, **common)
+        xh, xl = prep.q6
+        _q6_k_mma[grid](xh, xl, prep.inv, w.ql.view(torch.int32), w.qh.view(torch.int32), w.sc, w.d, b, y,
+                        x.shape[0], n, k, nb, y.stride(-2), part, p_stride, **common)
