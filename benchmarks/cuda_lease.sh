@@ -18,6 +18,8 @@
 #   serve    benchmarks/serve_load.py against `jllm serve --device cuda` with the head
 # ROWS="8 1": bench and spec once per JLLM_MATVEC_ROWS value (rows of x a matvec program; 1: a program a row).
 # MMA="0 1": tests, bench and spec once per JLLM_MATVEC_MMA value (1: the tensor-core kernels, jllm.cuda.mma).
+# mma: the matvec sweep of the tensor-core kernels (outputs a program, shares of a row) at 1, 4 and 16 rows,
+# beside the CUDA-core kernels at their settings.
 # build: only start llama.cpp's build (from the first call, so that it is done when `llamacpp` runs).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -50,6 +52,12 @@ fi
 if [ -z "$ARGS" ] || want matvec; then
   python3 benchmarks/cuda_matvec.py --rows 1 --block-n 8 16 --sb 1 2 --split 1 5 7 --stages 1 3 --reps 50 \
     --best "$OUT/best.json" 2>&1 | tee "$OUT/matvec.log"
+fi
+if want mma; then
+  JLLM_MATVEC_MMA=1 python3 benchmarks/cuda_matvec.py --rows 1 4 16 --block-n 32 64 128 --sb 1 --split 1 3 6 \
+    --short-split --reps 50 --all 2>&1 | tee "$OUT/matvec_mma.log"
+  python3 benchmarks/cuda_matvec.py --rows 1 4 16 --block-n 8 16 --sb 1 2 --split 1 5 --reps 50 2>&1 \
+    | tee "$OUT/matvec_cores.log"
 fi
 RUN="python3 benchmarks/cuda_tuned.py $OUT/best.json"
 [ -f "$OUT/best.json" ] || RUN="python3 benchmarks/cuda_tuned.py /dev/null"

@@ -6,6 +6,8 @@ setting that sums wrong is printed WRONG and never chosen as a shape's best.
 
     python benchmarks/cuda_matvec.py                    # on the GPU
     TRITON_INTERPRET=1 python benchmarks/cuda_matvec.py --tiny    # the CPU: that it runs, no figures worth reading
+    JLLM_MATVEC_MMA=1 python benchmarks/cuda_matvec.py --rows 1 4 16 --block-n 32 64 128 --sb 1 --split 1 3 6 \
+        --short-split --all                                       # the tensor cores' kernels (jllm.cuda.mma)
 """
 
 from __future__ import annotations
@@ -71,6 +73,8 @@ def main() -> None:
     ap.add_argument("--sb", type=int, nargs="+", default=[1, 2, 4], help="super-blocks a step (Q4_K, Q6_K)")
     ap.add_argument("--split", type=int, nargs="+", default=[1], help="shares of a row (Q4_K, Q6_K)")
     ap.add_argument("--stages", type=int, nargs="+", default=[1], help="steps of loads in flight (Q4_K, Q6_K)")
+    ap.add_argument("--short-split", action="store_true", help="--split for short rows too (the tensor cores' "
+                    "kernels, JLLM_MATVEC_MMA=1, give small matrices few programs)")
     ap.add_argument("--best", help="write each shape's best setting at one row here (JSON, for cuda_tuned.py)")
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--tiny", action="store_true", help="one small shape, 2 reps (the interpreter)")
@@ -99,7 +103,7 @@ def main() -> None:
             want = (x.double() @ ref_w.double().T).float()
             sbs = a.sb if kind in (T.Q4_K, T.Q6_K) else [1]
             lines = []
-            splits = a.split if kind in (T.Q4_K, T.Q6_K) and k >= 4096 else [1]      # long rows only
+            splits = a.split if kind in (T.Q4_K, T.Q6_K) and (k >= 4096 or a.short_split) else [1]   # long rows
             stages = a.stages if kind in (T.Q4_K, T.Q6_K) else [1]
             for bn, sb, sp, st in itertools.product(a.block_n, sbs, splits, stages):
                 err = wrong(matvec(x, w, block_n=bn, sb=sb, split=sp, stages=st), want)

@@ -62,9 +62,11 @@ def matvec(x: torch.Tensor, w, block_n: int | None = None, out: torch.Tensor | N
         raise TypeError(f"no GPU kernel for {type(w).__name__}")
     n, k = w.shape
     default = setting(w)
-    tensor_cores = mma.handles(x, w)          # the tensor cores' kernels (JLLM_MATVEC_MMA=1)
+    tensor_cores = mma.handles(x, w)          # the tensor cores' kernels (JLLM_MATVEC_MMA=1), their own setting
     if tensor_cores:
-        launch, block_n = mma.launch, max(16, block_n or mma.BLOCK_N)     # 16: tl.dot's least
+        bn, sp = mma.setting(w)
+        launch, default = mma.launch, (bn, 1, sp, 1)
+        block_n = max(16, block_n or default[0])                         # 16: tl.dot's least
     block_n, sb, split, stages = block_n or default[0], sb or default[1], split or default[2], stages or default[3]
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"x must be [M, {k}], is {list(x.shape)}")

@@ -239,6 +239,22 @@ def _q6_k_mma(xh_ptr, xl_ptr, inv_ptr, ql_ptr, qh_ptr, sc_ptr, d_ptr, b_ptr, y_p
     tl.store(y_ptr + part * P_STRIDE + m[None, :] * Y_STRIDE + n[:, None], acc, mask=(m < M)[None, :] & live[:, None])
 
 
+def setting(w) -> tuple[int, int]:
+    """(outputs a program, shares of a row) for a matrix, by its shape and the device alone (never the row
+    count: every call sums a row the same way). BLOCK_N outputs a program; a matrix of fewer programs than the
+    chip has multiprocessors has its rows cut into shares (added in a fixed order by jllm.cuda.matvec) until
+    it has about as many: q|k|v, attn_output and ffn_down of the 1.5B give 28, 4, 24 and 24 programs whole on
+    the H200's 132. A guess to be swept on the GPU (benchmarks/cuda_matvec.py with JLLM_MATVEC_MMA=1)."""
+    n, k = w.shape
+    nb = k // 256
+    programs = triton.cdiv(n, BLOCK_N)
+    sms = torch.cuda.get_device_properties(w.d.device).multi_processor_count if w.d.is_cuda else 132
+    if programs >= sms // 2:
+        return BLOCK_N, 1
+    per = triton.cdiv(nb, min(nb, triton.cdiv(sms, programs)))                # super-blocks a share
+    return BLOCK_N, triton.cdiv(nb, per)
+
+
 def handles(x: torch.Tensor, w) -> bool:
     """Whether this pass runs here: enabled, a K-quant, at most 16 rows."""
     return ENABLED and isinstance(w, (Q4KWeight, Q6KWeight)) and x.shape[0] <= ROWS
