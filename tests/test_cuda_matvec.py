@@ -397,3 +397,37 @@ def test_a_layer_of_q4_k_and_q6_k_parts_prepares_x_once_for_both(monkeypatch):
     want = torch.cat([x.double().cpu() @ dequantize(raw.numpy(), kind, (n, k)).double().T
                       for raw, kind in zip(raws, (T.Q4_K, T.Q6_K))], dim=1) + bias.double().cpu()
     assert torch.allclose(y, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_the_norms_and_the_glu_make_x_ready_for_the_tensor_cores_as_a_launch_of_its_own_would(monkeypatch, tmp_path):
+    """With the tensor-core kernels on, a K-quant model's norms and GLU write their outputs' prepared form
+    (jllm.cuda.fused, `prep`): only the attention's output is prepared by a launch of its own (one a layer),
+    and the logits are bitwise those of every layer preparing its own x; close to the CUDA-core kernels'."""
+    import importlib.util
+    from pathlib import Path
+
+    import jllm.cuda.mma as mma
+    from jllm.cuda.linear import BlocksLinear
+    from jllm.model.loader import load_model
+
+    spec = importlib.util.spec_from_file_location(
+        "synthetic_gguf", Path(__file__).resolve().parents[1] / "benchmarks" / "synthetic_gguf.py")
+    synthetic_gguf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(synthetic_gguf)
+    path = tmp_path / "k.gguf"
+    synthetic_gguf.write(str(path), "tiny-k", "q4_k_m")             # Q4_K and Q6_K matrices, hidden 256
+    m = load_model(path, device=DEV, precision="blocks", cache_weights=False)
+    m.graphs = m.prefill_graphs = None
+    ids = torch.tensor([5, 17, 300], device=DEV)
+    cores = m.forward(ids, m.new_cache(16)).cpu()                   # the CUDA-core kernels
+    monkeypatch.setattr(mma, "ENABLED", True)
+    calls = []
+    real = mma.prepare
+    monkeypatch.setattr(mma, "prepare", lambda x, ws: calls.append(x.shape) or real(x, ws))
+    fused = m.forward(ids, m.new_cache(16)).cpu()
+    assert len(calls) == m.cfg.n_layers                             # attn_output's x only
+    monkeypatch.setattr(BlocksLinear, "empty_prep", lambda self, x: None)
+    own = m.forward(ids, m.new_cache(16)).cpu()
+    assert len(calls) == m.cfg.n_layers + 4 * m.cfg.n_layers + 1    # q|k|v (one for both types), o, gate|up, down; output
+    assert torch.equal(fused, own)
+    assert ((fused - cores).abs().max() / cores.abs().max()).item() < 1e-4

@@ -7,6 +7,9 @@ so a row's result never depends on the other rows of its call, as everywhere in 
     add_rms_norm(x, a, w, eps)             x + a, and its norm: the residual add and the next norm in one pass
     rope_store(qk, v, pos, cos, sin, ...)  RoPE on q and k, k and v written into the cache at pos: q out
     glu(gu, gelu)                          silu(gate) * up (or GELU's tanh form): half the columns out
+
+The norms and the GLU also make their output ready for the tensor cores' products over it when given `prep`
+(jllm.cuda.mma.empty: its scales and f16 halves in the codes' order), so that no launch of its own does it.
 """
 
 from __future__ import annotations
@@ -15,9 +18,12 @@ import torch
 import triton
 import triton.language as tl
 
+from jllm.cuda.mma import Prepared, _prep_block
+
 
 @triton.jit
-def _rms_norm(x_ptr, a_ptr, w_ptr, xo_ptr, h_ptr, D, eps, HAS_ADD: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm(x_ptr, a_ptr, w_ptr, xo_ptr, h_ptr, D, eps, xh4, xl4, sh, sl, xh6, xl6, inv, HAS_ADD: tl.constexpr,
+              BLOCK: tl.constexpr, Q4: tl.constexpr, Q6: tl.constexpr):
     r = tl.program_id(0)
     i = tl.arange(0, BLOCK)
     live = i < D
@@ -28,24 +34,30 @@ def _rms_norm(x_ptr, a_ptr, w_ptr, xo_ptr, h_ptr, D, eps, HAS_ADD: tl.constexpr,
     ms = tl.sum(x * x, axis=0) / D
     w = tl.load(w_ptr + i, mask=live, other=0.0)
     tl.store(h_ptr + r * D + i, x * tl.rsqrt(ms + eps) * w, mask=live)
+    if Q4 or Q6:                         # the row again, as stored, for the tensor cores (jllm.cuda.mma)
+        tl.debug_barrier()               # this program's stores, seen by all its threads
+        for kb in range(D // 256):
+            _prep_block(h_ptr, r, kb, D, D // 256, xh4, xl4, sh, sl, xh6, xl6, inv, Q4, Q6)
 
 
-def _norm(x: torch.Tensor, a: torch.Tensor | None, w: torch.Tensor, eps: float):
+def _norm(x: torch.Tensor, a: torch.Tensor | None, w: torch.Tensor, eps: float, prep: Prepared | None):
     x = x.contiguous()
     xo, h = (x if a is None else torch.empty_like(x)), torch.empty_like(x)
-    _rms_norm[(x.shape[0],)](x, x if a is None else a.contiguous(), w, xo, h, x.shape[1], eps, HAS_ADD=a is not None,
-                             BLOCK=triton.next_power_of_2(x.shape[1]))
+    ptrs, q4, q6 = prep.pointers() if prep is not None else ((h,) * 7, False, False)
+    _rms_norm[(x.shape[0],)](x, x if a is None else a.contiguous(), w, xo, h, x.shape[1], eps, *ptrs,
+                             HAS_ADD=a is not None, BLOCK=triton.next_power_of_2(x.shape[1]), Q4=q4, Q6=q6)
     return xo, h
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [T, D] float32 -> x / rms(x) * w."""
-    return _norm(x, None, w, eps)[1]
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, prep: Prepared | None = None) -> torch.Tensor:
+    """x [T, D] float32 -> x / rms(x) * w (and `prep` filled from it)."""
+    return _norm(x, None, w, eps, prep)[1]
 
 
-def add_rms_norm(x: torch.Tensor, a: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """x, a [T, D] float32 -> (x + a, rms_norm(x + a) * w)."""
-    return _norm(x, a, w, eps)
+def add_rms_norm(x: torch.Tensor, a: torch.Tensor, w: torch.Tensor, eps: float,
+                 prep: Prepared | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, a [T, D] float32 -> (x + a, rms_norm(x + a) * w) (and `prep` filled from the norm)."""
+    return _norm(x, a, w, eps, prep)
 
 
 @triton.jit
@@ -99,7 +111,8 @@ def rope_store(qk: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, cos: torch.
 
 
 @triton.jit
-def _glu(gu_ptr, o_ptr, F, GELU: tl.constexpr, BLOCK: tl.constexpr):
+def _glu(gu_ptr, o_ptr, F, xh4, xl4, sh, sl, xh6, xl6, inv, GELU: tl.constexpr, BLOCK: tl.constexpr,
+         Q4: tl.constexpr, Q6: tl.constexpr):
     r = tl.program_id(0)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     live = i < F
@@ -111,12 +124,18 @@ def _glu(gu_ptr, o_ptr, F, GELU: tl.constexpr, BLOCK: tl.constexpr):
     else:
         act = g / (1.0 + tl.exp(-g))
     tl.store(o_ptr + r * F + i, act * u, mask=live)
+    if Q4 or Q6:                         # this program's super-blocks again, for the tensor cores
+        tl.debug_barrier()
+        for kb in range(tl.program_id(1) * (BLOCK // 256), tl.minimum(F // 256, (tl.program_id(1) + 1) * (BLOCK // 256))):
+            _prep_block(o_ptr, r, kb, F, F // 256, xh4, xl4, sh, sl, xh6, xl6, inv, Q4, Q6)
 
 
-def glu(gu: torch.Tensor, gelu: bool, block: int = 1024) -> torch.Tensor:
-    """gu [T, 2F] (gate | up) float32 -> act(gate) * up [T, F]."""
+def glu(gu: torch.Tensor, gelu: bool, block: int = 1024, prep: Prepared | None = None) -> torch.Tensor:
+    """gu [T, 2F] (gate | up) float32 -> act(gate) * up [T, F] (and `prep` filled from it; block a multiple of
+    256 then)."""
     gu = gu.contiguous()
     T, f = gu.shape[0], gu.shape[1] // 2
     out = torch.empty(T, f, dtype=torch.float32, device=gu.device)
-    _glu[(T, triton.cdiv(f, block))](gu, out, f, GELU=gelu, BLOCK=block)
+    ptrs, q4, q6 = prep.pointers() if prep is not None else ((out,) * 7, False, False)
+    _glu[(T, triton.cdiv(f, block))](gu, out, f, *ptrs, GELU=gelu, BLOCK=block, Q4=q4, Q6=q6)
     return out

@@ -72,15 +72,18 @@ class BlocksLinear:
         self.in_features = shapes[0][1]
         self.out_features = sum(s[0] for s in shapes)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, prep=None) -> torch.Tensor:
+        """prep: x already made ready for this layer's tensor-core parts (by a producer given empty_prep()'s room),
+        else made here when they run (jllm.cuda.mma)."""
         from jllm.cuda import mma
         from jllm.cuda.matvec import matvec
 
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).float().contiguous()
         y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32, device=x.device)
-        cores = [p for p in self.parts if mma.handles(x2, p)]
-        prep = mma.prepare(x2, cores) if cores else None            # one x for all of them (q|k|v: both types)
+        if prep is None:
+            cores = [p for p in self.parts if mma.handles(x2, p)]
+            prep = mma.prepare(x2, cores) if cores else None        # one x for all of them (q|k|v: both types)
         at = 0
         for p in self.parts:                   # each part writes its columns of y, adding its part of the bias
             n = p.shape[0]
@@ -93,6 +96,14 @@ class BlocksLinear:
                 matvec(x2, p, out=cols, bias=bias, prep=prep)
             at += n
         return y.reshape(*lead, self.out_features)
+
+    def empty_prep(self, x: torch.Tensor):
+        """Room for x [T, in_features] made ready for this layer's tensor-core parts (jllm.cuda.mma.empty), for
+        the kernel that writes x to fill (jllm.cuda.fused); None where none of its parts runs there."""
+        from jllm.cuda import mma
+
+        cores = [p for p in self.parts if mma.handles(x, p)]
+        return mma.empty(x.shape[0], self.in_features, *mma.kinds(cores), x.device) if cores else None
 
     def nbytes(self) -> int:
         return sum(p.numel() * p.element_size() if isinstance(p, torch.Tensor) else p.nbytes() for p in self.parts)

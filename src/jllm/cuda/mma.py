@@ -1,6 +1,7 @@
 """y = x W^T over Q4_K and Q6_K blocks on the tensor cores, for passes of up to 16 rows (decode and verify), each
-row's sums its own (issue 23; off by default until timed: JLLM_MATVEC_MMA=1). x is prepared once a call
-(_x_prep), then every program reads it.
+row's sums its own (issue 23; off by default until timed: JLLM_MATVEC_MMA=1). x is made ready once for all the
+products over it (_prep_block): by the norm or the GLU that writes it (jllm.cuda.fused, given `empty()`'s room
+by jllm.cuda.layers), else by one launch a layer (`prepare`: the attention's output, a head's layers).
 
 Why: on the CUDA cores (q4_k.py, q6_k.py) every row of a verify pass pays its own floating-point work on every
 weight: in SASS the Q4_K loop is 193 instructions for a thread's 32 weights with one row and 85 more for each
@@ -24,7 +25,7 @@ Codes, a 32-bit word at a time (PTX, as jllm.cuda.codes does for the CUDA-core k
 codes under the f16 exponent of 1024 (0x6400 | code, the f16 1024 + code; or with the code 4 bits up, 1024 +
 16 code), and one `fma.rn.f16x2` takes off the 1024 and applies the scale to both: (1024 + c) s - 1024 s = c s
 is an f16 integer, so the fused single rounding leaves it exact. The codes come out in the words' own order, so
-_x_prep writes x in that order too (KX4, KX6: a product's position -> its weight's place in the super-block).
+_prep_block writes x in that order too (_kx: a product's position -> its weight's place in the super-block).
 In Triton's interpreter (the CPU tests) shifts and masks give the same values; tests/test_cuda_mma_asm.py runs
 the PTX itself through a small emulator of the instructions it uses.
 
@@ -70,25 +71,22 @@ def _kx(f, KIND: tl.constexpr):
 
 
 @triton.jit
-def _x_prep(x_ptr, xh4_ptr, xl4_ptr, sh_ptr, sl_ptr, xh6_ptr, xl6_ptr, inv_ptr, M, K, NB, Q4: tl.constexpr,
-            Q6: tl.constexpr):
-    """Once a call, for every program of every product over x: x [M, K] f32 -> per row and super-block a power
-    of two 2^e putting its largest magnitude into [2^9, 2^10) (inv [16, NB]: 2^-e), and x * 2^e's f16 halves
-    [16, K] in the codes' order of Q4_K (xh4, xl4, with the halves of x's sums over each sub-block of 32, sh,
-    sl [16, NB * 16]: a super-block's 8 sums, then 8 zeros, as the mins' product needs K = 16) and of Q6_K
-    (xh6, xl6), as asked (_kx). Rows past M are zeros."""
-    r = tl.program_id(0)
-    kb = tl.program_id(1)
+def _prep_block(x_ptr, r, kb, K, NB, xh4_ptr, xl4_ptr, sh_ptr, sl_ptr, xh6_ptr, xl6_ptr, inv_ptr, Q4: tl.constexpr,
+                Q6: tl.constexpr):
+    """Super-block kb of row r of x [M, K] f32 made ready for the tensor-core products: a power of two 2^e
+    putting its largest magnitude into [2^9, 2^10) (inv [M, NB]: 2^-e), and x * 2^e's f16 halves [M, K] in
+    the codes' order of Q4_K (xh4, xl4, with the halves of its sums over each sub-block of 32, sh, sl
+    [M, NB * 16]: a super-block's 8 sums, then 8 zeros, as the mins' product needs K = 16) and of Q6_K (xh6,
+    xl6), as asked (_kx)."""
     f = tl.arange(0, 256)
-    live = f < tl.where(r < M, 256, 0)
     row = x_ptr + r * K + kb * 256
-    top = tl.max(tl.abs(tl.load(row + f, mask=live, other=0.0)), axis=0)
+    top = tl.max(tl.abs(tl.load(row + f)), axis=0)
     e = tl.minimum(tl.maximum(136 - ((top.to(tl.int32, bitcast=True) >> 23) & 255), -126), 126)
     scale = ((e + 127) << 23).to(tl.float32, bitcast=True)                  # x * scale: exact, a power of two
     tl.store(inv_ptr + r * NB + kb, ((127 - e) << 23).to(tl.float32, bitcast=True))
     at = r * K + kb * 256 + f
     if Q4:
-        x = tl.load(row + _kx(f, 4), mask=live, other=0.0) * scale
+        x = tl.load(row + _kx(f, 4)) * scale
         hi = x.to(tl.float16)
         tl.store(xh4_ptr + at, hi)
         tl.store(xl4_ptr + at, (x - hi.to(tl.float32)).to(tl.float16))
@@ -99,10 +97,18 @@ def _x_prep(x_ptr, xh4_ptr, xl4_ptr, sh_ptr, sl_ptr, xh6_ptr, xl6_ptr, inv_ptr, 
         tl.store(sh_ptr + r * (NB * 16) + kb * 16 + j, shi)
         tl.store(sl_ptr + r * (NB * 16) + kb * 16 + j, (s16 - shi.to(tl.float32)).to(tl.float16))
     if Q6:
-        x = tl.load(row + _kx(f, 6), mask=live, other=0.0) * scale
+        x = tl.load(row + _kx(f, 6)) * scale
         hi = x.to(tl.float16)
         tl.store(xh6_ptr + at, hi)
         tl.store(xl6_ptr + at, (x - hi.to(tl.float32)).to(tl.float16))
+
+
+@triton.jit
+def _x_prep(x_ptr, xh4_ptr, xl4_ptr, sh_ptr, sl_ptr, xh6_ptr, xl6_ptr, inv_ptr, K, NB, Q4: tl.constexpr,
+            Q6: tl.constexpr):
+    """One program a row and super-block (_prep_block): x made ready for every product over it in one call."""
+    _prep_block(x_ptr, tl.program_id(0), tl.program_id(1), K, NB, xh4_ptr, xl4_ptr, sh_ptr, sl_ptr, xh6_ptr,
+                xl6_ptr, inv_ptr, Q4, Q6)
 
 
 @triton.jit
@@ -177,6 +183,7 @@ def _q4_k_mma(xh_ptr, xl_ptr, sh_ptr, sl_ptr, inv_ptr, qs_ptr, d_ptr, dmin_ptr, 
     live = n < N
     nn = tl.minimum(n, N - 1)                      # rows past N read the last one (in bounds), are not stored
     m = tl.arange(0, 16)
+    here = (m < M)[None, :]                        # x's rows past M: zeros (tile rows of no row of x)
     f = tl.arange(0, 256)
     j16 = tl.arange(0, 16)
     word = 4 * tl.arange(0, 8)[:, None] + tl.arange(0, 4)[None, :]                 # [8, 4]: sub-block s, word t
@@ -187,16 +194,16 @@ def _q4_k_mma(xh_ptr, xl_ptr, sh_ptr, sl_ptr, inv_ptr, qs_ptr, d_ptr, dmin_ptr, 
         o = _q4_codes(w, tl.broadcast_to(sc[:, :, None], (BLOCK_N, 8, 4)), USE_ASM)
         q = tl.reshape(_join8(o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7]), (BLOCK_N, 256))    # f = 32 s + 8 t + p
         at = m[None, :] * K + kb * 256 + f[:, None]                                              # [256, 16]
-        p = tl.dot(q, tl.load(xh_ptr + at), out_dtype=tl.float32)
-        p = tl.dot(q, tl.load(xl_ptr + at), p, out_dtype=tl.float32)
+        p = tl.dot(q, tl.load(xh_ptr + at, mask=here, other=0.0), out_dtype=tl.float32)
+        p = tl.dot(q, tl.load(xl_ptr + at, mask=here, other=0.0), p, out_dtype=tl.float32)
         mn = tl.load(mn_ptr + nn[:, None] * (NB * 8) + kb * 8 + j16[None, :], mask=(j16 < 8)[None, :],
                      other=0).to(tl.float16)                                                     # [BN, 16]
         sat = m[None, :] * (NB * 16) + kb * 16 + j16[:, None]                                    # [16, 16]
-        mins = tl.dot(mn, tl.load(sh_ptr + sat), out_dtype=tl.float32)
-        mins = tl.dot(mn, tl.load(sl_ptr + sat), mins, out_dtype=tl.float32)
+        mins = tl.dot(mn, tl.load(sh_ptr + sat, mask=here, other=0.0), out_dtype=tl.float32)
+        mins = tl.dot(mn, tl.load(sl_ptr + sat, mask=here, other=0.0), mins, out_dtype=tl.float32)
         d = tl.load(d_ptr + nn * NB + kb).to(tl.float32)
         dmin = tl.load(dmin_ptr + nn * NB + kb).to(tl.float32)
-        acc += (p * d[:, None] - mins * dmin[:, None]) * tl.load(inv_ptr + m * NB + kb)[None, :]
+        acc += (p * d[:, None] - mins * dmin[:, None]) * tl.load(inv_ptr + m * NB + kb, mask=m < M, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + nn)[:, None]
     tl.store(y_ptr + part * P_STRIDE + m[None, :] * Y_STRIDE + n[:, None], acc, mask=(m < M)[None, :] & live[:, None])
@@ -213,6 +220,7 @@ def _q6_k_mma(xh_ptr, xl_ptr, inv_ptr, ql_ptr, qh_ptr, sc_ptr, d_ptr, b_ptr, y_p
     live = n < N
     nn = tl.minimum(n, N - 1)
     m = tl.arange(0, 16)
+    here = (m < M)[None, :]
     f = tl.arange(0, 256)
     g = tl.arange(0, 16)
     acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
@@ -226,14 +234,14 @@ def _q6_k_mma(xh_ptr, xl_ptr, inv_ptr, ql_ptr, qh_ptr, sc_ptr, d_ptr, b_ptr, y_p
         qb = tl.reshape(tl.join(_join8(o[16], o[17], o[18], o[19], o[20], o[21], o[22], o[23]),
                                 _join8(o[24], o[25], o[26], o[27], o[28], o[29], o[30], o[31])), (BLOCK_N, 256))
         at = m[None, :] * K + kb * 256 + f[:, None]
-        xh = tl.load(xh_ptr + at)
-        xl = tl.load(xl_ptr + at)
+        xh = tl.load(xh_ptr + at, mask=here, other=0.0)
+        xl = tl.load(xl_ptr + at, mask=here, other=0.0)
         pa = tl.dot(qa, xh, out_dtype=tl.float32)
         pa = tl.dot(qa, xl, pa, out_dtype=tl.float32)
         pb = tl.dot(qb, xh, out_dtype=tl.float32)
         pb = tl.dot(qb, xl, pb, out_dtype=tl.float32)
         d = tl.load(d_ptr + nn * NB + kb).to(tl.float32)
-        acc += (16.0 * pa + pb) * d[:, None] * tl.load(inv_ptr + m * NB + kb)[None, :]
+        acc += (16.0 * pa + pb) * d[:, None] * tl.load(inv_ptr + m * NB + kb, mask=m < M, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + nn)[:, None]
     tl.store(y_ptr + part * P_STRIDE + m[None, :] * Y_STRIDE + n[:, None], acc, mask=(m < M)[None, :] & live[:, None])
@@ -262,28 +270,43 @@ def handles(x: torch.Tensor, w) -> bool:
 
 @dataclass
 class Prepared:
-    """x made ready once for every tensor-core product over it in one call (_x_prep): its scales, and its
-    halves in the order of each block type asked for (None where not)."""
+    """x made ready once for every tensor-core product over it in one call (_prep_block): its scales, and its
+    halves in the order of each block type asked for (None where not). Made by prepare(), or empty by
+    empty() for a producer of x to fill as it writes x (jllm.cuda.fused: the norms, the GLU)."""
     inv: torch.Tensor
     q4: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None      # xh, xl, sums' hi, lo
     q6: tuple[torch.Tensor, torch.Tensor] | None                                  # xh, xl
 
+    def pointers(self) -> tuple:
+        """The seven tensors _prep_block writes (xh4, xl4, sh, sl, xh6, xl6, inv), inv where a type is not asked
+        for (its stores are compiled out), and the two flags."""
+        a, b = self.q4 or (self.inv,) * 4, self.q6 or (self.inv,) * 2
+        return (*a, *b, self.inv), self.q4 is not None, self.q6 is not None
+
+
+def kinds(weights) -> tuple[bool, bool]:
+    """Whether products over Q4_K and over Q6_K blocks are among `weights`."""
+    return any(isinstance(w, Q4KWeight) for w in weights), any(isinstance(w, Q6KWeight) for w in weights)
+
+
+def empty(m: int, k: int, q4: bool, q6: bool, device) -> Prepared:
+    """Room for m rows of k inputs made ready for Q4_K (q4) and Q6_K (q6) products."""
+    half = dict(dtype=torch.float16, device=device)
+    nb = k // 256
+    return Prepared(torch.empty(m, nb, dtype=torch.float32, device=device),
+                    (torch.empty(m, k, **half), torch.empty(m, k, **half), torch.empty(m, nb * 16, **half),
+                     torch.empty(m, nb * 16, **half)) if q4 else None,
+                    (torch.empty(m, k, **half), torch.empty(m, k, **half)) if q6 else None)
+
 
 def prepare(x: torch.Tensor, weights) -> Prepared:
-    """x [M <= 16, K] f32 for the products over `weights` (Q4KWeight / Q6KWeight, all of K inputs): one launch.
-    Every part of a layer (q|k|v: Q4_K and Q6_K) then reads the same prepared x."""
-    k = x.shape[1]
-    nb = k // 256
-    q4 = any(isinstance(w, Q4KWeight) for w in weights)
-    q6 = any(isinstance(w, Q6KWeight) for w in weights)
-    half = dict(dtype=torch.float16, device=x.device)
-    inv = torch.empty(ROWS, nb, dtype=torch.float32, device=x.device)
-    p4 = (torch.empty(ROWS, k, **half), torch.empty(ROWS, k, **half), torch.empty(ROWS, nb * 16, **half),
-          torch.empty(ROWS, nb * 16, **half)) if q4 else None
-    p6 = (torch.empty(ROWS, k, **half), torch.empty(ROWS, k, **half)) if q6 else None
-    a, b = p4 or (inv, inv, inv, inv), p6 or (inv, inv)         # unused pointers where a type is not asked for
-    _x_prep[(ROWS, nb)](x, a[0], a[1], a[2], a[3], b[0], b[1], inv, x.shape[0], k, nb, Q4=q4, Q6=q6)
-    return Prepared(inv, p4, p6)
+    """x [M <= 16, K] f32 (contiguous) for the products over `weights` (Q4KWeight / Q6KWeight, all of K inputs):
+    one launch. Every part of a layer (q|k|v: Q4_K and Q6_K) then reads the same prepared x."""
+    m, k = x.shape
+    prep = empty(m, k, *kinds(weights), x.device)
+    ptrs, q4, q6 = prep.pointers()
+    _x_prep[(m, k // 256)](x, *ptrs, k, k // 256, Q4=q4, Q6=q6)
+    return prep
 
 
 def launch(x: torch.Tensor, w, y: torch.Tensor, block_n: int, bias: torch.Tensor | None = None, sb: int = 1,

@@ -164,11 +164,12 @@ class Transformer:
         if self.block_attention:                                  # the GPU's layers (jllm/cuda/layers.py)
             from jllm.cuda.layers import blocks_layers
 
-            _, x = blocks_layers(self, x, cache, torch.arange(start, start + T, device=x.device), taken)
+            pos = torch.arange(start, start + T, device=x.device)
+            _, x, prep = blocks_layers(self, x, cache, pos, taken, None if last_only else w.output)
         else:
-            x = norm(self._layers(x, cache, start, taken), w.output_norm, c.rms_eps)
+            x, prep = norm(self._layers(x, cache, start, taken), w.output_norm, c.rms_eps), None
         cache.length = start + T
-        logits = w.output(x[-1:] if last_only else x)
+        logits = w.output(x[-1:] if last_only else x) if prep is None else w.output(x, prep)
         if capture is None:
             return logits
         return logits, torch.cat([taken[i] for i in capture], dim=1).float()
@@ -179,7 +180,8 @@ class Transformer:
         from jllm.cuda.layers import blocks_layers
 
         taken = {} if capture else None
-        logits = self.w.output(blocks_layers(self, x, cache, pos, taken)[1])
+        _, h, prep = blocks_layers(self, x, cache, pos, taken, self.w.output)
+        logits = self.w.output(h, prep)
         return logits, None if not capture else torch.cat([taken[i] for i in capture], dim=1).float()
 
     def _chain_body(self, state: torch.Tensor, cache: KVCache, capture: tuple[int, ...] | None):
@@ -198,7 +200,7 @@ class Transformer:
         from jllm.cuda.layers import blocks_layers
 
         taken = {} if capture else None
-        _, h = blocks_layers(self, x, cache, pos, taken)
+        _, h, _ = blocks_layers(self, x, cache, pos, taken)
         logits = self.w.output(h.index_select(0, last))
         return logits, None if not capture else torch.cat([taken[i] for i in capture], dim=1).float()
 
