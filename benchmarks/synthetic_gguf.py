@@ -22,6 +22,7 @@ SHAPES = {
     "qwen3-4b": ("qwen3", 36, 2560, 9728, 32, 8, 128, 151936, True),      # the origin document's target
     "tiny": ("qwen2", 2, 64, 128, 4, 2, 16, 512, False),
     "tiny-k": ("qwen2", 2, 256, 512, 4, 2, 64, 512, False),           # the smallest the K-quants take (tests)
+    "tiny-k2": ("qwen2", 2, 512, 2304, 8, 2, 64, 512, False),         # rows of several super-blocks (tests)
 }
 
 

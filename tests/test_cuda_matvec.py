@@ -399,10 +399,13 @@ def test_a_layer_of_q4_k_and_q6_k_parts_prepares_x_once_for_both(monkeypatch):
     assert torch.allclose(y, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
-def test_the_norms_and_the_glu_make_x_ready_for_the_tensor_cores_as_a_launch_of_its_own_would(monkeypatch, tmp_path):
+@pytest.mark.parametrize("shape", ["tiny-k", "tiny-k2"])
+def test_the_norms_and_the_glu_make_x_ready_for_the_tensor_cores_as_a_launch_of_its_own_would(shape, monkeypatch,
+                                                                                              tmp_path):
     """With the tensor-core kernels on, a K-quant model's norms and GLU write their outputs' prepared form
     (jllm.cuda.fused, `prep`): only the attention's output is prepared by a launch of its own (one a layer),
-    and the logits are bitwise those of every layer preparing its own x; close to the CUDA-core kernels'."""
+    and the logits are bitwise those of every layer preparing its own x; close to the CUDA-core kernels'.
+    tiny-k2: rows of two super-blocks into the norms, nine into the GLU's three programs a row."""
     import importlib.util
     from pathlib import Path
 
@@ -415,7 +418,7 @@ def test_the_norms_and_the_glu_make_x_ready_for_the_tensor_cores_as_a_launch_of_
     synthetic_gguf = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(synthetic_gguf)
     path = tmp_path / "k.gguf"
-    synthetic_gguf.write(str(path), "tiny-k", "q4_k_m")             # Q4_K and Q6_K matrices, hidden 256
+    synthetic_gguf.write(str(path), shape, "q4_k_m")                # Q4_K and Q6_K matrices
     m = load_model(path, device=DEV, precision="blocks", cache_weights=False)
     m.graphs = m.prefill_graphs = None
     ids = torch.tensor([5, 17, 300], device=DEV)

@@ -135,6 +135,8 @@ def glu(gu: torch.Tensor, gelu: bool, block: int = 1024, prep: Prepared | None =
     256 then)."""
     gu = gu.contiguous()
     T, f = gu.shape[0], gu.shape[1] // 2
+    if prep is not None and block % 256:
+        raise ValueError(f"glu's block {block} must be a multiple of 256 to fill prep (a program a super-block)")
     out = torch.empty(T, f, dtype=torch.float32, device=gu.device)
     ptrs, q4, q6 = prep.pointers() if prep is not None else ((out,) * 7, False, False)
     _glu[(T, triton.cdiv(f, block))](gu, out, f, *ptrs, GELU=gelu, BLOCK=block, Q4=q4, Q6=q6)

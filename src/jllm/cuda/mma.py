@@ -13,7 +13,7 @@ runs the same products in the same order whatever rows share it, and a tensor-co
 comes from its own row of x only.
 
 Exact f16 operands. A weight's code times its sub-block's scale is an f16 integer (Q4_K: q * scale <= 15 * 63;
-Q6_K: (q - 32) * scale reaches 4,064, past f16's exact integers, so its int8 scale is split, scale = 16 a + b,
+Q6_K: |(q - 32) * scale| reaches 4,096, past f16's exact integers, so its int8 scale is split, scale = 16 a + b,
 a = scale >> 4, b = scale & 15, into two tiles with |.| <= 256 and <= 480). x is scaled per row and super-block
 by a power of two (its largest magnitude into [2^9, 2^10): exact, and the sub-block sums stay below f16's
 largest value) and split into two f16 parts, hi = f16(x) and lo = f16(x - hi), so x's 24 bits meet the codes
@@ -26,15 +26,16 @@ codes under the f16 exponent of 1024 (0x6400 | code, the f16 1024 + code; or wit
 16 code), and one `fma.rn.f16x2` takes off the 1024 and applies the scale to both: (1024 + c) s - 1024 s = c s
 is an f16 integer, so the fused single rounding leaves it exact. The codes come out in the words' own order, so
 _prep_block writes x in that order too (_kx: a product's position -> its weight's place in the super-block).
-In Triton's interpreter (the CPU tests) shifts and masks give the same values; tests/test_cuda_mma_asm.py runs
+In Triton's interpreter (the CPU tests) shifts and masks give the same values; tests/test_cuda_ptx.py runs
 the PTX itself through a small emulator of the instructions it uses.
 
-By SASS (`python benchmarks/cuda_sass.py q4_k_mma --block-n 64 --arch 90 --num-stages 1`): Q4_K 3.5
-instructions a weight for all 16 rows, Q6_K 6.3 (sm_90); the CUDA-core kernels take 6.0 and 6.25 for one row.
+By SASS (`python benchmarks/cuda_sass.py q4_k_mma --block-n 64 --arch 90 --num-stages 1`): Q4_K 3.85
+instructions a weight for all 16 rows, Q6_K 6.75 (sm_90); the CUDA-core kernels take 6.0 and 6.25 for one row.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -49,8 +50,8 @@ from jllm.cuda.q6_k import Q6KWeight
 
 ENABLED = os.environ.get("JLLM_MATVEC_MMA", "0") == "1"
 ROWS = 16                   # every pass is one tile of 16 rows (tl.dot's least)
-BLOCK_N = 64                # outputs a program: x's tile is read once for these (SASS, sm_90: 3.5 / 6.3
-                            # instructions a weight at 64, 8.9 / 18 at 32, 3.5 / 8.8 at 128)
+BLOCK_N = 64                # outputs a program: x's tile is read once for these (SASS, sm_90, before the row
+                            # masks: 3.6 / 6.5 instructions a weight at 64, 8.9 / 18 at 32, 3.5 / 8.8 at 128)
 
 
 @triton.jit
@@ -170,7 +171,7 @@ def _q6_codes(q0, q1, h, a, b, USE_ASM: tl.constexpr):
                 _six(q1, h, 1, 0, 1, b), _six(q1, h, 1, 1, 1, b), _six(q1, h, 1, 2, 1, b), _six(q1, h, 1, 3, 1, b))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])      # M = 1 (decode) must run verify's binary: one kernel, one rounding
 def _q4_k_mma(xh_ptr, xl_ptr, sh_ptr, sl_ptr, inv_ptr, qs_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, b_ptr, y_ptr, M,
               N, K, NB, Y_STRIDE, NB_PART, P_STRIDE, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
               USE_ASM: tl.constexpr):
@@ -209,7 +210,7 @@ def _q4_k_mma(xh_ptr, xl_ptr, sh_ptr, sl_ptr, inv_ptr, qs_ptr, d_ptr, dmin_ptr, 
     tl.store(y_ptr + part * P_STRIDE + m[None, :] * Y_STRIDE + n[:, None], acc, mask=(m < M)[None, :] & live[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _q6_k_mma(xh_ptr, xl_ptr, inv_ptr, ql_ptr, qh_ptr, sc_ptr, d_ptr, b_ptr, y_ptr, M, N, K, NB, Y_STRIDE,
               NB_PART, P_STRIDE, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr):
     """A super-block a step, the weights as the first operand: the codes minus 32 times a and times b (the
@@ -247,6 +248,11 @@ def _q6_k_mma(xh_ptr, xl_ptr, inv_ptr, ql_ptr, qh_ptr, sc_ptr, d_ptr, b_ptr, y_p
     tl.store(y_ptr + part * P_STRIDE + m[None, :] * Y_STRIDE + n[:, None], acc, mask=(m < M)[None, :] & live[:, None])
 
 
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()).multi_processor_count
+
+
 def setting(w) -> tuple[int, int]:
     """(outputs a program, shares of a row) for a matrix, by its shape and the device alone (never the row
     count: every call sums a row the same way). BLOCK_N outputs a program; a matrix of fewer programs than the
@@ -256,7 +262,7 @@ def setting(w) -> tuple[int, int]:
     n, k = w.shape
     nb = k // 256
     programs = triton.cdiv(n, BLOCK_N)
-    sms = torch.cuda.get_device_properties(w.d.device).multi_processor_count if w.d.is_cuda else 132
+    sms = _multiprocessors(w.d.device.index) if w.d.is_cuda else 132
     if programs >= sms // 2:
         return BLOCK_N, 1
     per = triton.cdiv(nb, min(nb, triton.cdiv(sms, programs)))                # super-blocks a share
