@@ -17,7 +17,11 @@
 #   spec     jllm bench --spec on the corpus with the head, on the GPU
 #   serve    benchmarks/serve_load.py against `jllm serve --device cuda` with the head
 # ROWS="8 1": bench and spec once per JLLM_MATVEC_ROWS value (rows of x a matvec program; 1: a program a row).
-# MMA="0 1": tests, bench and spec once per JLLM_MATVEC_MMA value (1: the tensor-core kernels, jllm.cuda.mma).
+# MMA="0 1": tests, profile, bench and spec once per JLLM_MATVEC_MMA value (1: the tensor-core kernels,
+# jllm.cuda.mma). The first lease after session 27, synthetic weights (no transfer), in this order:
+#   MMA="0 1" bash benchmarks/cuda_lease.sh build tests      (the verify-equals-steps tests both ways first)
+#   MMA="0 1" bash benchmarks/cuda_lease.sh mma bench        (the kernels' sweep; decode, chained, verify rows)
+#   MMA="0 1" bash benchmarks/cuda_lease.sh profile llamacpp  (where a step's time goes; llama.cpp, same file)
 # mma: the matvec sweep of the tensor-core kernels (outputs a program, shares of a row) at 1, 4 and 16 rows,
 # beside the CUDA-core kernels at their settings.
 # build: only start llama.cpp's build (from the first call, so that it is done when `llamacpp` runs).
@@ -62,7 +66,9 @@ fi
 RUN="python3 benchmarks/cuda_tuned.py $OUT/best.json"
 [ -f "$OUT/best.json" ] || RUN="python3 benchmarks/cuda_tuned.py /dev/null"
 if [ -z "$ARGS" ] || want profile; then
-  $RUN --script benchmarks/cuda_profile.py $S15 2>&1 | tee "$OUT/profile.log"
+  for t in $MMA; do
+    JLLM_MATVEC_MMA=$t $RUN --script benchmarks/cuda_profile.py $S15 --rows 1 4 2>&1 | tee "$OUT/profile_mma$t.log"
+  done
 fi
 if [ -z "$ARGS" ] || want bench; then
   for t in $MMA; do for r in $ROWS; do

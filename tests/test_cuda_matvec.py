@@ -402,9 +402,9 @@ def test_a_layer_of_q4_k_and_q6_k_parts_prepares_x_once_for_both(monkeypatch):
 @pytest.mark.parametrize("shape", ["tiny-k", "tiny-k2"])
 def test_the_norms_and_the_glu_make_x_ready_for_the_tensor_cores_as_a_launch_of_its_own_would(shape, monkeypatch,
                                                                                               tmp_path):
-    """With the tensor-core kernels on, a K-quant model's norms and GLU write their outputs' prepared form
-    (jllm.cuda.fused, `prep`): only the attention's output is prepared by a launch of its own (one a layer),
-    and the logits are bitwise those of every layer preparing its own x; close to the CUDA-core kernels'.
+    """With the tensor-core kernels on, a K-quant model's norms, GLU and attention merge write their outputs'
+    prepared form (jllm.cuda.fused, jllm.cuda.attention: `prep`): no launch of its own prepares x, and the
+    logits are bitwise those of every layer preparing its own x; close to the CUDA-core kernels'.
     tiny-k2: rows of two super-blocks into the norms, nine into the GLU's three programs a row."""
     import importlib.util
     from pathlib import Path
@@ -428,9 +428,9 @@ def test_the_norms_and_the_glu_make_x_ready_for_the_tensor_cores_as_a_launch_of_
     real = mma.prepare
     monkeypatch.setattr(mma, "prepare", lambda x, ws: calls.append(x.shape) or real(x, ws))
     fused = m.forward(ids, m.new_cache(16)).cpu()
-    assert len(calls) == m.cfg.n_layers                             # attn_output's x only
+    assert calls == []
     monkeypatch.setattr(BlocksLinear, "empty_prep", lambda self, x: None)
     own = m.forward(ids, m.new_cache(16)).cpu()
-    assert len(calls) == m.cfg.n_layers + 4 * m.cfg.n_layers + 1    # q|k|v (one for both types), o, gate|up, down; output
+    assert len(calls) == 4 * m.cfg.n_layers + 1                     # q|k|v (one for both types), o, gate|up, down; output
     assert torch.equal(fused, own)
     assert ((fused - cores).abs().max() / cores.abs().max()).item() < 1e-4

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from jllm.cuda.layout import QUERIES, chunk_size, n_chunks
+from jllm.cuda.mma import _prep_block
 
 TILED = False     # the tiles' path for prefill: tested in the interpreter, not yet timed on a GPU
 BLOCK_M, BLOCK_N = 32, 32
@@ -72,12 +73,9 @@ def _attention_chunk(q_ptr, k_ptr, v_ptr, part_ptr, ml_ptr, pos_ptr, window, sca
 
 
 @triton.jit
-def _attention_combine(part_ptr, ml_ptr, o_ptr, pos_ptr, window, H, NCH, HD: tl.constexpr, NCH_P2: tl.constexpr,
-                       CHUNK: tl.constexpr):
-    """(query t, head h): the chunks' parts merged in one fixed order (a tile over all chunks)."""
-    t = tl.program_id(0)
-    h = tl.program_id(1)
-    p = tl.load(pos_ptr + t).to(tl.int32)
+def _combine_head(part_ptr, ml_ptr, t, h, p, window, H, NCH, HD: tl.constexpr, NCH_P2: tl.constexpr,
+                  CHUNK: tl.constexpr):
+    """(query t at position p, head h): its chunks' parts merged in one fixed order -> [HD]."""
     lo = tl.where(window > 0, tl.maximum(p - window + 1, 0), 0)
     c = tl.arange(0, NCH_P2)
     used = (c >= lo // CHUNK) & (c <= p // CHUNK) & (c < NCH)
@@ -88,8 +86,35 @@ def _attention_combine(part_ptr, ml_ptr, o_ptr, pos_ptr, window, H, NCH, HD: tl.
     w = tl.where(used & (m_c > float("-inf")), tl.exp(m_c - m), 0.0)
     d = tl.arange(0, HD)
     part = tl.load(part_ptr + at[:, None] * HD + d[None, :], mask=used[:, None], other=0.0)
-    out = tl.sum(w[:, None] * part, axis=0) / tl.sum(w * l_c, axis=0)
-    tl.store(o_ptr + (t * H + h) * HD + d, out)
+    return tl.sum(w[:, None] * part, axis=0) / tl.sum(w * l_c, axis=0)
+
+
+@triton.jit
+def _attention_combine(part_ptr, ml_ptr, o_ptr, pos_ptr, window, H, NCH, HD: tl.constexpr, NCH_P2: tl.constexpr,
+                       CHUNK: tl.constexpr):
+    """(query t, head h): the chunks' parts merged in one fixed order (a tile over all chunks)."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    p = tl.load(pos_ptr + t).to(tl.int32)
+    out = _combine_head(part_ptr, ml_ptr, t, h, p, window, H, NCH, HD, NCH_P2, CHUNK)
+    tl.store(o_ptr + (t * H + h) * HD + tl.arange(0, HD), out)
+
+
+@triton.jit
+def _attention_combine_prep(part_ptr, ml_ptr, o_ptr, pos_ptr, window, H, NCH, xh4, xl4, sh, sl, xh6, xl6, inv,
+                            HD: tl.constexpr, NCH_P2: tl.constexpr, CHUNK: tl.constexpr, Q4: tl.constexpr,
+                            Q6: tl.constexpr):
+    """(query t, super-block kb of its output: 256 / HD heads): each head merged as _attention_combine merges
+    it, then the super-block made ready for the tensor cores' products over it (jllm.cuda.mma)."""
+    t = tl.program_id(0)
+    kb = tl.program_id(1)
+    p = tl.load(pos_ptr + t).to(tl.int32)
+    for j in tl.static_range(256 // HD):
+        h = kb * (256 // HD) + j
+        out = _combine_head(part_ptr, ml_ptr, t, h, p, window, H, NCH, HD, NCH_P2, CHUNK)
+        tl.store(o_ptr + (t * H + h) * HD + tl.arange(0, HD), out)
+    tl.debug_barrier()                   # this program's stores, seen by all its threads
+    _prep_block(o_ptr, t, kb, H * HD, H * HD // 256, xh4, xl4, sh, sl, xh6, xl6, inv, Q4, Q6)
 
 
 @triton.jit
@@ -132,10 +157,11 @@ def _attention_tiled(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, T, window, scale, H, G
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int | torch.Tensor, window: int,
-              scale: float, block_t: int = 64) -> torch.Tensor:
+              scale: float, block_t: int = 64, prep=None) -> torch.Tensor:
     """q [T, H, hd]; pos: the queries' positions, int64 [T] on q's device (graph-safe: the caller checks them
     against the cache), or an int `start` for start..start+T-1 (checked here); k, v the layer's cache
-    [Hk, max, hd] (keys up to each query's position written) -> [T, H * hd] float32. hd: a power of two."""
+    [Hk, max, hd] (keys up to each query's position written) -> [T, H * hd] float32. hd: a power of two.
+    prep (jllm.cuda.mma.empty, up to QUERIES queries, hd <= 256): filled from the output as it is merged."""
     T, H, hd = q.shape
     hk, max_t, _ = k.shape
     if hd & (hd - 1) or H % hk:
@@ -146,6 +172,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int | torc
         pos = torch.arange(pos, pos + T, device=q.device)
     out = torch.empty(T, H, hd, dtype=torch.float32, device=q.device)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if prep is not None and (T > QUERIES or hd > 256 or H * hd % 256):
+        raise ValueError(f"attention prepares x for the tensor cores for up to {QUERIES} queries of whole "
+                         f"super-blocks of heads, not {T} of {H} x {hd}")
     if T > QUERIES and TILED and hd >= 16:   # a prefill's chunk: tiles of queries (tl.dot: 16 at least)
         _attention_tiled[(triton.cdiv(T, BLOCK_M), H)](q, k, v, out, pos, T, window, scale, H, H // hk, max_t,
                                                        HD=hd, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
@@ -160,6 +189,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int | torc
         n = min(per, T - s)
         _attention_chunk[(n, H, nch)](q[s:], k, v, part, ml, pos[s:], window, scale, H, H // hk, max_t, nch,
                                       HD=hd, CHUNK=chunk, BLOCK_T=min(block_t, chunk))
-        _attention_combine[(n, H)](part, ml, out[s:], pos[s:], window, H, nch, HD=hd,
-                                   NCH_P2=max(2, triton.next_power_of_2(nch)), CHUNK=chunk)
+        combine = dict(HD=hd, NCH_P2=max(2, triton.next_power_of_2(nch)), CHUNK=chunk)
+        if prep is None:
+            _attention_combine[(n, H)](part, ml, out[s:], pos[s:], window, H, nch, **combine)
+        else:                                # s is 0: one round of at most QUERIES queries
+            ptrs, q4, q6 = prep.pointers()
+            _attention_combine_prep[(n, H * hd // 256)](part, ml, out, pos, window, H, nch, *ptrs, **combine,
+                                                         Q4=q4, Q6=q6)
     return out.view(T, H * hd)

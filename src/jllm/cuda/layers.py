@@ -10,6 +10,7 @@ import torch
 
 from jllm.cuda import fused
 from jllm.cuda.attention import attention
+from jllm.cuda.layout import QUERIES
 from jllm.model.transformer import rms_norm
 
 
@@ -18,9 +19,8 @@ def blocks_layers(model, x: torch.Tensor, cache, pos: torch.Tensor, taken: dict 
     """x [T, D] (the embedded rows), pos int64 [T] their positions -> (the last layer's output, its final norm,
     that norm made ready for `final`'s tensor-core products, or None). Writes the rows' keys and values at pos.
     taken: as Transformer._layers fills it. final: the layer that takes the final norm (the output), if any.
-    Each norm and the GLU make their output ready for the tensor cores' products of the layer that takes it
-    (jllm.cuda.mma, when on), so no launch of its own does that; the attention's output is prepared by
-    L.o itself."""
+    Each norm, the GLU and the attention's merge make their output ready for the tensor cores' products of
+    the layer that takes it (jllm.cuda.mma, when on), so no launch of its own does that."""
     c, w = model.cfg, model.w
     T = x.shape[0]
     H, Hk, hd = c.n_heads, c.n_kv_heads, c.head_dim
@@ -39,7 +39,9 @@ def blocks_layers(model, x: torch.Tensor, cache, pos: torch.Tensor, taken: dict 
         sliding = c.is_sliding(i)
         cos, sin = model.rope_local if sliding else model.rope_global
         q = fused.rope_store(qk, v, pos, cos, sin, c.traits.rope_neox, c.rope_dim, cache.k[i], cache.v[i])
-        a = L.o(attention(q, cache.k[i], cache.v[i], pos, c.sliding_window if sliding else 0, c.attn_scale))
+        prep = L.o.empty_prep(q) if c.head_dim <= 256 and T <= QUERIES else None
+        a = L.o(attention(q, cache.k[i], cache.v[i], pos, c.sliding_window if sliding else 0, c.attn_scale,
+                          prep=prep), prep)
         if L.post_attn_norm is not None:
             a = fused.rms_norm(a, L.post_attn_norm, c.rms_eps)
         prep = L.gate_up.empty_prep(x)

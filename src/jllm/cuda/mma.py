@@ -1,7 +1,8 @@
 """y = x W^T over Q4_K and Q6_K blocks on the tensor cores, for passes of up to 16 rows (decode and verify), each
 row's sums its own (issue 23; off by default until timed: JLLM_MATVEC_MMA=1). x is made ready once for all the
-products over it (_prep_block): by the norm or the GLU that writes it (jllm.cuda.fused, given `empty()`'s room
-by jllm.cuda.layers), else by one launch a layer (`prepare`: the attention's output, a head's layers).
+products over it (_prep_block): by the kernel that writes it (the norms and the GLU, jllm.cuda.fused; the
+attention's merge, jllm.cuda.attention; given `empty()`'s room by jllm.cuda.layers), else by one launch
+(`prepare`: a head's layers, a matvec called alone).
 
 Why: on the CUDA cores (q4_k.py, q6_k.py) every row of a verify pass pays its own floating-point work on every
 weight: in SASS the Q4_K loop is 193 instructions for a thread's 32 weights with one row and 85 more for each
