@@ -509,3 +509,22 @@ def test_a_run_can_start_from_a_written_head(target, tmp_path):
     assert torch.equal(fresh.lm_head.weight[60:], tg.lm_head[torch.arange(120, 200)].to(fresh.lm_head.weight))
     with pytest.raises(JllmError, match=r"^--init old.gguf: its ffn is 96, this head's 64$"):
         init_from_head(new_head(tg, d2t, ffn=64), path)
+
+
+def test_a_profiled_run_says_where_its_steps_time_went(target):
+    """--profile N: N steps after the first under torch's profiler, its table of operators in the log."""
+    tg, _, _ = target
+    prompt = data_mod.chat_prompt(tg.template, tg.tokenizer, "Name three colours")
+    rows = [(prompt, tg.generate([prompt], 20, sample=False)[0], 1, False)] * 3
+    conv = data_mod.Conversations.build(rows, dict(target="target.gguf", tokenizer=tg.tokenizer.fingerprint()))
+    d2t = data_mod.draft_vocab(conv, tg.cfg.vocab_size, 64, always=tg.tokenizer.eot_ids)
+    torch.manual_seed(0)
+    logs = []
+    tc = TrainConfig(steps=4, lr=1e-3, warmup=1, batch_tokens=512, max_len=256, ttt=2, log_every=100, profile=2)
+    train(tg, new_head(tg, d2t, ffn=64), conv, tc, log=logs.append)
+    table = [line for line in logs if line.startswith("profile of 2 training steps")]
+    assert len(table) == 1 and "aten::" in table[0] and "Self CPU" in table[0]
+    logs.clear()
+    train(tg, new_head(tg, d2t, ffn=64), conv, TrainConfig(steps=2, lr=1e-3, warmup=1, batch_tokens=512,
+                                                            max_len=256, ttt=2, log_every=100, profile=5), log=logs.append)
+    assert any(line.startswith("profile of 1 training steps") for line in logs)    # cut short by the end

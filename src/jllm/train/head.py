@@ -46,6 +46,7 @@ class TrainConfig:
     holdout: float = 0.0             # share of conversations kept out of training, to measure the head on
     holdout_batches: int = 8         # of them, at most this many batches are scored at each log line
     time_limit: float | None = None  # seconds at most: the schedule then ends with the time, decayed, if first
+    profile: int = 0                 # steps to run under torch's profiler after the first (0: none): its table
 
     def __post_init__(self):
         if self.steps < 1 or self.ttt < 1 or self.batch_tokens < self.max_len or self.lr <= 0 or \
@@ -203,8 +204,15 @@ def train(target: Target, head: Eagle3Head, conv: data_mod.Conversations, tc: Tr
 
     head.train()
     order: list[int] = []
+    prof, profiled = None, 0
     t_start = time.perf_counter()
     for step in range(tc.steps):
+        if tc.profile and step == 1:                # the first step compiles and allocates: not profiled
+            prof = _profiler(dev)
+            prof.start()
+        if prof is not None and profiled == tc.profile:
+            log(_profile_table(prof, dev, profiled))
+            prof = None
         prog = progress(step, tc.steps, time.perf_counter() - t_start, tc.time_limit)
         if prog >= 1.0:
             log(f"step {step}/{tc.steps}: the time limit of {tc.time_limit:.0f} s ends training")
@@ -237,6 +245,7 @@ def train(target: Target, head: Eagle3Head, conv: data_mod.Conversations, tc: Tr
         hist.tokens += int(lengths.sum())
         hist.target_s += t1 - t0
         hist.head_s += t2 - t1
+        profiled += prof is not None
         if (step + 1) % tc.log_every == 0 or step == 0 or step + 1 == tc.steps:
             k = min(tc.log_every, len(hist.loss))
             acc = np.mean(hist.step_acc[-k:], axis=0)
@@ -249,8 +258,25 @@ def train(target: Target, head: Eagle3Head, conv: data_mod.Conversations, tc: Tr
                     head.eval()
                     checkpoint(head)
                     head.train()
+    if prof is not None:                            # training ended inside the profiled steps
+        log(_profile_table(prof, dev, profiled))
     head.eval()
     return hist
+
+
+def _profiler(dev: torch.device):
+    from torch.profiler import ProfilerActivity, profile
+
+    return profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else []))
+
+
+def _profile_table(prof, dev: torch.device, steps: int) -> str:
+    """Where `steps` training steps' time went, the 30 largest operators by their own time on the device (the
+    CPU's where there is no GPU): what to make faster in a lease's training (the target's pass, the head's
+    layers and attention, the loss over the draft vocabulary, the optimizer)."""
+    prof.stop()
+    key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+    return f"profile of {steps} training steps:\n" + prof.key_averages().table(sort_by=key, row_limit=30)
 
 
 @torch.no_grad()
@@ -314,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--holdout", type=float, default=0.02, help="share of conversations kept out of training "
                     "and scored every 4 log lines (0: none)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", type=int, default=0, help="run this many training steps (after the first) "
+                    "under torch's profiler and print where their time went")
     a = ap.parse_args(argv)
     try:
         return _run(a)
@@ -369,7 +397,7 @@ def _run(a) -> int:
     print(f"head: draft vocabulary {len(d2t)}, ffn {head.c.ffn}, layers {list(head.c.target_layers)}, "
           f"~{file_bytes(head, qtype) / 2**20:.1f} MiB of tensors in {qtype.name}")
     tc = TrainConfig(steps=a.steps, lr=a.lr, batch_tokens=a.batch_tokens, max_len=a.max_len, ttt=a.ttt,
-                     seed=a.seed, holdout=a.holdout, time_limit=a.train_time)
+                     seed=a.seed, holdout=a.holdout, time_limit=a.train_time, profile=a.profile)
     t1 = time.perf_counter()
     hist = train(target, head, conv, tc, checkpoint=(lambda h: _checkpoint(a.out, h, a.model, qtype))
                  if a.checkpoint else None)
