@@ -31,6 +31,20 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 export PYTHONPATH="$PWD/src:/tmp/site" PYTHONUNBUFFERED=1
 want() { [ $# -eq 0 ] || [[ " $ARGS " == *" $1 "* ]]; }
 ARGS="$*"
+# triton39: the image's Triton is 3.6, whose compiler stores the tensor-core kernels' f16 tiles to shared memory
+# 16 bits at a time (Q4_K 4.98 instructions a weight, Q6_K 10.3, against 3.85 and 6.75 from Triton 3.9, by
+# benchmarks/cuda_sass.py with each). 3.9's wheel (286 MB) travels in 5 pieces of 56 MiB (the head and the data
+# moved out of the tree, as for the target's pieces): here
+#   split -b 56M -d -a 1 triton-3.9.0-cp312-abi3-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl .xfer/tw
+# then 5 calls of `bash training/gpu.sh keep twN` carrying .xfer/twN, then this script's `triton39` step (in the
+# next call), which joins, checks and installs it under /tmp/t39; every later call then runs under it.
+TRITON39_SHA=5e52ab4e2f1d64f0ac494c9aa723697b793f81a91c4cae4c36608ca0bc4267bf
+if want triton39; then
+  cat /tmp/m/tw? > /tmp/triton39.whl && echo "$TRITON39_SHA  /tmp/triton39.whl" | sha256sum -c - || exit 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/t39 /tmp/triton39.whl || exit 1
+  rm -f /tmp/m/tw? /tmp/triton39.whl
+fi
+[ -d /tmp/t39/triton ] && export PYTHONPATH="$PWD/src:/tmp/t39:/tmp/site"
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 S15=${MODEL:-/tmp/s15.gguf}

@@ -14,6 +14,7 @@ import collections
 import os
 import re
 import subprocess
+import sys
 import tempfile
 
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")     # as the JIT compiles them (fused multiply-adds)
@@ -60,6 +61,7 @@ def main() -> None:
 
         spec = importlib.util.spec_from_file_location("experiment", a.file)
         mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod                  # dataclasses look their module up there
         spec.loader.exec_module(mod)
         fn = getattr(mod, fn.fn.__name__ if hasattr(fn, "fn") else fn.__name__)
     sig = {**ptrs, **_COMMON}
