@@ -16,6 +16,8 @@
 # /tmp/m/t.gguf); HEAD=FILE: its EAGLE-3 head, for
 #   spec     jllm bench --spec on the corpus with the head, on the GPU
 #   serve    benchmarks/serve_load.py against `jllm serve --device cuda` with the head
+#   loop     benchmarks/spec_loop_costs.py on the GPU: each pass's time in the speculative loop (the head's draft
+#            step and the host's share a round: what a round on the device would save)
 # ROWS="8 1": bench and spec once per JLLM_MATVEC_ROWS value (rows of x a matvec program; 1: a program a row).
 # MMA="0 1": tests, profile, bench and spec once per JLLM_MATVEC_MMA value (1: the tensor-core kernels,
 # jllm.cuda.mma). The first lease after session 27, synthetic weights (no transfer), in this order:
@@ -90,7 +92,7 @@ if [ -z "$ARGS" ] || want bench; then
       --json "$OUT/bench_${TAG}_r${r}_mma$t.json" 2>&1 | tee "$OUT/bench_${TAG}_r${r}_mma$t.log"
   done; done
 fi
-if want spec || want serve; then
+if want spec || want serve || want loop; then
   : "${HEAD:?spec and serve need HEAD=the head file}"
 fi
 if want spec; then
@@ -99,6 +101,10 @@ if want spec; then
       --precision blocks -n 128 --json "$OUT/spec_${TAG}_r${r}_mma$t.json" 2>&1 \
       | tee "$OUT/spec_${TAG}_r${r}_mma$t.log" | tail -16
   done; done
+fi
+if want loop; then                    # per pass inside the speculative loop: the head's step and the host's share
+  python3 benchmarks/spec_loop_costs.py -m $S15 -md "$HEAD" --device cuda --precision blocks --every 3 -n 128 \
+    2>&1 | tee "$OUT/spec_loop_$TAG.log"
 fi
 if want serve; then
   python3 benchmarks/serve_load.py -m $S15 --requests 64 --concurrency 4 --max-tokens 64 \

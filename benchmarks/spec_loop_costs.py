@@ -4,9 +4,11 @@ each target forward pass of up to 12 tokens timed. These are the V(k) to replay 
 (`spec_sim.py sim --V`): they include what the loop does to the target's passes (the draft's steps between
 them), which the context-300 passes of `jllm bench` do not. Then where each mode's decode time went: target
 passes, draft passes, and the rest (sampling, drafting logic, cache bookkeeping, Python). `-md` names a draft
-model or an EAGLE-3 head.
+model or an EAGLE-3 head. On a GPU (`--device cuda --precision blocks`) each timed pass is bracketed by device
+synchronisations, so its time is its launch and its kernels, and "rest" the host's work between passes.
 
     python benchmarks/spec_loop_costs.py [--every 3] [-n 128]
+    python benchmarks/spec_loop_costs.py -m MODEL.gguf -md HEAD.gguf --device cuda --precision blocks
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import argparse
 import collections
 import statistics
 import time
+
+import torch
 
 from jllm.engine import Engine
 from jllm.sampling import SamplingParams
@@ -30,8 +34,15 @@ def main() -> None:
     ap.add_argument("-md", "--draft", default="qwen2.5-coder-0.5b")
     ap.add_argument("-n", type=int, default=128)
     ap.add_argument("--every", type=int, default=3, help="every N-th corpus prompt")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--precision", default=None)
     a = ap.parse_args()
-    eng = Engine(str(resolve(a.model)), draft_path=str(resolve(a.draft)), spec=SpecConfig())
+    eng = Engine(str(resolve(a.model)), device=a.device, precision=a.precision, draft_path=str(resolve(a.draft)),
+                 spec=SpecConfig())
+    sync = torch.cuda.synchronize if a.device.startswith("cuda") else (lambda: None)
+    if eng.model.chain is not None:           # plain greedy steps one pass each (the steps' unit), not chained
+        eng.model.chain = None
+        print("plain decoding one step a pass here (jllm.cuda.chain off): the unit of the verify passes")
     times = collections.defaultdict(list)         # (mode, rows) -> seconds of target passes
     spent = collections.Counter()                 # (mode, "target" | "draft" | "decode") -> seconds
     mode = ["plain"]
@@ -40,8 +51,10 @@ def main() -> None:
         forward = model.forward
 
         def timed(tokens, *args, **kw):
+            sync()
             t = time.perf_counter()
             out = forward(tokens, *args, **kw)
+            sync()
             if len(tokens) <= 12:                 # decode steps, verify passes, draft steps; not prefills
                 dt = time.perf_counter() - t
                 spent[mode[0], name] += dt
