@@ -147,7 +147,8 @@ def test_the_kernels_other_path_puts_the_same_values_where_the_ptx_does():
               N=n)
     ins = list(words)
     for v in (a, b):
-        ins += [f16_bits(v), f16_bits(v * np.float16(-1056)), f16_bits(v / np.float16(16)), f16_bits(v * np.float16(-96))]
+        ins += [f16_bits(v), f16_bits(v * np.float16(-1056)), f16_bits(v / np.float16(16)),
+                f16_bits(v * np.float16(-96))]
     emulated = run(ptx.Q6_K_CODES, ins, 32)
     for j in range(32):
         assert np.array_equal(out[j].numpy(), as_f16(emulated[j])), j

@@ -126,7 +126,8 @@ def _glu(gu_ptr, o_ptr, F, xh4, xl4, sh, sl, xh6, xl6, inv, GELU: tl.constexpr, 
     tl.store(o_ptr + r * F + i, act * u, mask=live)
     if Q4 or Q6:                         # this program's super-blocks again, for the tensor cores
         tl.debug_barrier()
-        for kb in range(tl.program_id(1) * (BLOCK // 256), tl.minimum(F // 256, (tl.program_id(1) + 1) * (BLOCK // 256))):
+        first = tl.program_id(1) * (BLOCK // 256)
+        for kb in range(first, tl.minimum(F // 256, first + BLOCK // 256)):
             _prep_block(o_ptr, r, kb, F, F // 256, xh4, xl4, sh, sl, xh6, xl6, inv, Q4, Q6)
 
 

@@ -251,7 +251,8 @@ def _q6_k_mma(xh_ptr, xl_ptr, inv_ptr, ql_ptr, qh_ptr, sc_ptr, d_ptr, b_ptr, y_p
 
 @functools.lru_cache(maxsize=None)
 def _multiprocessors(index: int | None) -> int:
-    return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()).multi_processor_count
+    device = index if index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def setting(w) -> tuple[int, int]:
