@@ -202,6 +202,15 @@ def test_train_loss_falls_and_the_gguf_loads(target, tmp_path):
     assert err < 0.15
 
 
+def one_prompt_data(tg, text: str, new: int, copies: int):
+    """Training data of `copies` times one conversation (the target's greedy reply of `new` tokens to `text`)
+    and its draft vocabulary of 64."""
+    prompt = data_mod.chat_prompt(tg.template, tg.tokenizer, text)
+    rows = [(prompt, tg.generate([prompt], new, sample=False)[0], 1, False)] * copies
+    conv = data_mod.Conversations.build(rows, dict(target="target.gguf", tokenizer=tg.tokenizer.fingerprint()))
+    return conv, data_mod.draft_vocab(conv, tg.cfg.vocab_size, 64, always=tg.tokenizer.eot_ids)
+
+
 def test_the_schedule_follows_steps_or_the_clock_whichever_ends_first():
     assert progress(50, 100, 1.0, None) == 0.5 and progress(50, 100, 1e9, None) == 0.5
     assert progress(50, 100, 30.0, 40.0) == 0.75                # the clock is further on than the steps
@@ -216,10 +225,7 @@ def test_a_time_limit_ends_training_decayed_and_checkpoints_leave_a_head(target,
     from jllm.train import head as head_mod
 
     tg, _, d = target
-    prompt = data_mod.chat_prompt(tg.template, tg.tokenizer, "Count to ten")
-    rows = [(prompt, tg.generate([prompt], 30, sample=False)[0], 1, False)] * 5
-    conv = data_mod.Conversations.build(rows, dict(target="target.gguf", tokenizer=tg.tokenizer.fingerprint()))
-    d2t = data_mod.draft_vocab(conv, tg.cfg.vocab_size, 64, always=tg.tokenizer.eot_ids)
+    conv, d2t = one_prompt_data(tg, "Count to ten", 30, 5)
     torch.manual_seed(0)
     head = new_head(tg, d2t, ffn=64)
     clock = iter(range(10**6))                        # one "second" passes at every reading of the clock
@@ -514,10 +520,7 @@ def test_a_run_can_start_from_a_written_head(target, tmp_path):
 def test_a_profiled_run_says_where_its_steps_time_went(target):
     """--profile N: N steps after the first under torch's profiler, its table of operators in the log."""
     tg, _, _ = target
-    prompt = data_mod.chat_prompt(tg.template, tg.tokenizer, "Name three colours")
-    rows = [(prompt, tg.generate([prompt], 20, sample=False)[0], 1, False)] * 3
-    conv = data_mod.Conversations.build(rows, dict(target="target.gguf", tokenizer=tg.tokenizer.fingerprint()))
-    d2t = data_mod.draft_vocab(conv, tg.cfg.vocab_size, 64, always=tg.tokenizer.eot_ids)
+    conv, d2t = one_prompt_data(tg, "Name three colours", 20, 3)
     torch.manual_seed(0)
     logs = []
     tc = TrainConfig(steps=4, lr=1e-3, warmup=1, batch_tokens=512, max_len=256, ttt=2, log_every=100, profile=2)

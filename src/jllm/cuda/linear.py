@@ -82,7 +82,7 @@ class BlocksLinear:
         x2 = x.reshape(-1, self.in_features).float().contiguous()
         y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32, device=x.device)
         if prep is None:
-            cores = [p for p in self.parts if mma.handles(x2, p)]
+            cores = self._cores(x2)
             prep = mma.prepare(x2, cores) if cores else None        # one x for all of them (q|k|v: both types)
         at = 0
         for p in self.parts:                   # each part writes its columns of y, adding its part of the bias
@@ -102,8 +102,14 @@ class BlocksLinear:
         the kernel that writes x to fill (jllm.cuda.fused); None where none of its parts runs there."""
         from jllm.cuda import mma
 
-        cores = [p for p in self.parts if mma.handles(x, p)]
+        cores = self._cores(x)
         return mma.empty(x.shape[0], self.in_features, *mma.kinds(cores), x.device) if cores else None
+
+    def _cores(self, x: torch.Tensor) -> list:
+        """The parts whose products over x run on the tensor cores (jllm.cuda.mma.handles)."""
+        from jllm.cuda import mma
+
+        return [p for p in self.parts if mma.handles(x, p)]
 
     def nbytes(self) -> int:
         return sum(p.numel() * p.element_size() if isinstance(p, torch.Tensor) else p.nbytes() for p in self.parts)
