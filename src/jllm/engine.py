@@ -14,6 +14,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, Iterator
 
 import torch
@@ -155,6 +156,7 @@ class Engine:
             self.draft_proposer = HeadProposer(self.head, self.target)
         self.spec = spec if spec is not None and spec.mode != "none" else None
         self.gate: DraftGate | None = None     # the draft gate, kept across generations (a chat's turns)
+        self.rounds = self._head_rounds()      # greedy speculation with the head in rounds on the GPU, or None
         self.kv_store = None
         if kv_store_dir is not None:
             # CPU and CUDA compute slightly different KV, and an f32 cache's state is not an f16 one's
@@ -177,6 +179,23 @@ class Engine:
                                                                      draft_fingerprint=draft_fp))
         self._saving: threading.Thread | None = None
         self.load_ms = (time.perf_counter() - t0) * 1000
+
+    def _head_rounds(self):
+        """jllm.cuda.rounds for the head on a GPU where JLLM_CUDA_ROUNDS asks for it (k drafts a round)."""
+        if self.head is None or self.spec is None or not self.spec.proposers(True)[1]:
+            return None
+        from jllm.cuda.rounds import HeadRounds, round_drafts
+
+        k = round_drafts()
+        # the rounds look the drafts up in the target's embedding on the device (the chain's), and verify
+        # k + 1 rows with the step graphs' row-exact kernels
+        if not k or not self.target.chains() or not self.head.blocks or self.head.embed is not self.model.w.embed:
+            return None
+        from jllm.cuda.linear import MATVEC_ROWS
+
+        if k + 1 > MATVEC_ROWS:
+            raise JllmError(f"JLLM_CUDA_ROUNDS is at most {MATVEC_ROWS - 1} drafts a round (got {k})")
+        return HeadRounds(self.model, self.head, k)
 
     @property
     def cache(self):
@@ -321,6 +340,9 @@ class Engine:
         timings.prompt_tokens_evaluated = evaluated
         timings.cached_tokens = len(prompt_ids) - evaluated
         budget = min(params.max_tokens, self.ctx_size - len(prompt_ids))
+        if token_source is None and self.rounds is not None and params.argmax_only:
+            run.spec_stats = SpecStats()
+            token_source = partial(self._round_tokens, stats=run.spec_stats)
         if token_source is None and self.spec is not None:
             if self.gate is None:
                 self.gate = DraftGate()
@@ -363,6 +385,51 @@ class Engine:
         finally:
             if chain is not None:
                 chain.close()
+
+    def _round_tokens(self, logits: torch.Tensor, params: SamplingParams, budget: int,
+                      stats: SpecStats | None = None) -> Iterator[int]:
+        """Greedy speculation with the EAGLE-3 head in rounds on the device (jllm.cuda.rounds): plain greedy
+        decoding's tokens, and at the end the same held context; the head's cache keeps the rows of the
+        rounds read. Where the context has no room left for a round, plain steps finish."""
+        seq, prop, eot = self.target, self.draft_proposer, self.tokenizer.eot_ids
+        tok = argmax(logits)[0]
+        yielded = 0
+        while True:
+            yield tok
+            yielded += 1
+            if yielded >= budget or tok in eot:
+                return
+            first = prop.catch_up(seq.ids + [tok])
+            if first is not None:
+                last = tok
+                run = seq.device_tokens(tok, lambda owned: self._rounds_source(tok, first, budget - yielded,
+                                                                              stats, owned))
+                try:
+                    for last in run:
+                        yield last
+                        yielded += 1
+                        if yielded >= budget or last in eot:
+                            return
+                finally:
+                    run.close()
+                tok = last
+            tok = argmax(self.step(tok))[0]         # no room for a round, or no states for the head: a step
+
+    def _rounds_source(self, token: int, first, limit: int, stats, owned) -> Iterator[int]:
+        """The rounds' tokens for Sequence.device_tokens; when done, the head keeps the rows they computed for
+        the tokens the sequence then holds (HeadProposer.adopt)."""
+        context = self.target.ids + [token]
+        tokens = self.rounds.tokens(self.target, token, first, limit, stats)
+        try:
+            for t in tokens:
+                context.append(t)
+                yield t
+        finally:
+            tokens.close()
+            if owned():
+                # the sequence holds context[:-1] (the newest token is not evaluated): head row P pairs the
+                # state at P with the token at P + 1, so rows up to len(context) - 2 have both
+                self.draft_proposer.adopt(context, min(self.rounds.valid, len(context) - 1))
 
     def _emit(self, source: Iterator[int], run: Generation, params: SamplingParams) -> Iterator[Piece]:
         decoder = StreamDecoder(self.tokenizer)

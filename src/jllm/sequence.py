@@ -17,7 +17,7 @@ rows by position in `features` [max_tokens, len(capture) * hidden], the head's i
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -93,22 +93,33 @@ class Sequence:
         return getattr(self.model, "chain", None) is not None
 
     def chain_tokens(self, token: int, limit: int) -> Iterator[int]:
-        """Greedy decoding after `token` on the device (jllm.cuda.chain): the next tokens, at most `limit`. Once
-        t_j is yielded the sequence holds `token` .. t_(j-1), what step() would hold; the cache has been computed
-        further, and when the generator ends (closed, or run out) the positions past the held ones are dropped.
-        Unless the sequence has changed since (a generation dropped unclosed, finalised during another one):
-        then it is not this generator's to touch."""
+        """Greedy decoding after `token` on the device (jllm.cuda.chain): the next tokens, at most `limit`, held
+        as device_tokens holds them."""
+        return self.device_tokens(token, lambda owned: self.model.chain.tokens(
+            token, self.cache, len(self.ids), limit, self.capture, self.features))
+
+    def device_tokens(self, token: int, source: Callable[[Callable[[], bool]], Iterator[int]]) -> Iterator[int]:
+        """Tokens after `token` computed on the device ahead of the host (jllm.cuda.chain, jllm.cuda.rounds):
+        source(owned) iterates them, having written their positions past the held ones; owned() says whether
+        the sequence is still this generator's (for the source's own state beside it, as a head's). Once t_j
+        is yielded the sequence holds `token` .. t_(j-1), what step() would hold; the cache has been computed
+        further, and when the generator ends (closed, or run out) the source is closed and the positions past
+        the held ones are dropped. Unless the sequence has changed since (a generation dropped unclosed, finalised
+        during another one): then it is not this generator's to touch."""
         if self.cache.length != len(self.ids):
-            raise ValueError(f"chain_tokens: a cache of {self.cache.length} positions holds {len(self.ids)} ids")
+            raise ValueError(f"device_tokens: a cache of {self.cache.length} positions holds {len(self.ids)} ids")
         self.epoch += 1
         mine = self.epoch
         prev = token
+        tokens = source(lambda: self.epoch == mine)
         try:
-            for t in self.model.chain.tokens(token, self.cache, len(self.ids), limit, self.capture, self.features):
+            for t in tokens:
                 self.ids.append(prev)
                 prev = t
                 yield t
         finally:
+            if hasattr(tokens, "close"):
+                tokens.close()
             if self.epoch == mine:
                 self.rollback(len(self.ids))
 

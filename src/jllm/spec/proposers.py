@@ -304,6 +304,12 @@ class HeadProposer:
         pad = torch.zeros_like(k[:, :, :1])
         return torch.cat([k, pad], 2).cpu(), torch.cat([v, pad], 2).cpu()
 
+    def adopt(self, context: list[int], n: int) -> None:
+        """The head's cache holds rows 0 .. n - 1 for `context`, computed elsewhere (jllm.cuda.rounds): keep
+        them (and drop any past them)."""
+        self.head.truncate(min(n, self.head.length))
+        self.paired = list(context[1:self.head.length + 1])
+
     def catch_up(self, context: list[int]) -> Step | None:
         """Cover positions 0 .. len(context) - 2 -> the last row's prediction (None: the target's states
         for the missing rows are not here, as right after a hydrate without the head's state)."""
