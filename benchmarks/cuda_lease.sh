@@ -18,12 +18,18 @@
 #   serve    benchmarks/serve_load.py against `jllm serve --device cuda` with the head
 #   loop     benchmarks/spec_loop_costs.py on the GPU: each pass's time in the speculative loop (the head's draft
 #            step and the host's share a round: what a round on the device would save)
+# rounds: jllm bench --spec with rounds on the device (jllm.cuda.rounds) once per ROUNDS value (JLLM_CUDA_ROUNDS,
+# drafts a round; 0: the host-driven loop), with HEAD, or without it a random head of the real shape made here
+# (benchmarks/synthetic_head.py: every draft wrong, so a round's tokens/s against plain is its cost in steps).
+# spec runs once per ROUNDS value too.
 # ROWS="8 1": bench and spec once per JLLM_MATVEC_ROWS value (rows of x a matvec program; 1: a program a row).
 # MMA="0 1": tests, profile, bench and spec once per JLLM_MATVEC_MMA value (1: the tensor-core kernels,
 # jllm.cuda.mma). The first lease after session 27, synthetic weights (no transfer), in this order:
 #   MMA="0 1" bash benchmarks/cuda_lease.sh build tests      (the verify-equals-steps tests both ways first)
 #   MMA="0 1" bash benchmarks/cuda_lease.sh mma bench        (the kernels' sweep; decode, chained, verify rows)
 #   MMA="0 1" bash benchmarks/cuda_lease.sh profile llamacpp  (where a step's time goes; llama.cpp, same file)
+#   ROUNDS="0 3 6" MMA="0 1" bash benchmarks/cuda_lease.sh rounds  (a speculative round's cost in steps, both
+#                                                            ways: host-driven, and k drafts in rounds on the device)
 # mma: the matvec sweep of the tensor-core kernels (outputs a program, shares of a row) at 1, 4 and 16 rows,
 # beside the CUDA-core kernels at their settings.
 # build: only start llama.cpp's build (from the first call, so that it is done when `llamacpp` runs).
@@ -53,6 +59,7 @@ S15=${MODEL:-/tmp/s15.gguf}
 TAG=${TAG:-s15}
 ROWS=${ROWS:-8}
 MMA=${MMA:-0}
+ROUNDS=${ROUNDS:-0}
 [ -n "${MODEL:-}" ] || [ -f $S15 ] || python3 benchmarks/synthetic_gguf.py $S15 --shape qwen2.5-1.5b --dtype q4_k_m
 LB=/tmp/lcpp/build/bin/llama-bench
 if { want llamacpp || want build; } && [ ! -x $LB ] && [ ! -f /tmp/lcpp/started ] && [ -f .xfer/lcpp.tar.xz ]; then
@@ -65,7 +72,7 @@ fi
 if [ -z "$ARGS" ] || want tests; then
   for t in $MMA; do
     JLLM_MATVEC_MMA=$t python3 -m pytest -q --tb=line tests/test_cuda.py tests/test_cuda_matvec.py \
-      tests/test_cuda_attention.py tests/test_cuda_fused.py tests/test_cuda_head.py tests/test_cuda_ptx.py 2>&1 \
+      tests/test_cuda_attention.py tests/test_cuda_fused.py tests/test_cuda_head.py tests/test_cuda_ptx.py tests/test_cuda_rounds.py 2>&1 \
       | tee "$OUT/tests_mma$t.log" | tail -25
   done
 fi
@@ -96,10 +103,19 @@ if want spec || want serve || want loop; then
   : "${HEAD:?spec and serve need HEAD=the head file}"
 fi
 if want spec; then
-  for t in $MMA; do for r in $ROWS; do
-    JLLM_MATVEC_MMA=$t JLLM_MATVEC_ROWS=$r python3 -m jllm bench --spec -m $S15 -md "$HEAD" --device cuda \
-      --precision blocks -n 128 --json "$OUT/spec_${TAG}_r${r}_mma$t.json" 2>&1 \
-      | tee "$OUT/spec_${TAG}_r${r}_mma$t.log" | tail -16
+  for t in $MMA; do for r in $ROWS; do for q in $ROUNDS; do
+    JLLM_MATVEC_MMA=$t JLLM_MATVEC_ROWS=$r JLLM_CUDA_ROUNDS=$q python3 -m jllm bench --spec -m $S15 -md "$HEAD" \
+      --device cuda --precision blocks -n 128 --json "$OUT/spec_${TAG}_r${r}_mma${t}_k$q.json" 2>&1 \
+      | tee "$OUT/spec_${TAG}_r${r}_mma${t}_k$q.log" | tail -16
+  done; done; done
+fi
+if want rounds; then                  # a round's cost: an always-wrong head (random) unless HEAD is given
+  H=${HEAD:-/tmp/h15.gguf}
+  [ -f "$H" ] || python3 benchmarks/synthetic_head.py $S15 "$H" || exit 1
+  for t in $MMA; do for q in $ROUNDS; do
+    JLLM_MATVEC_MMA=$t JLLM_CUDA_ROUNDS=$q python3 -m jllm bench --spec -m $S15 -md "$H" --device cuda \
+      --precision blocks -n 64 --json "$OUT/rounds_${TAG}_mma${t}_k$q.json" 2>&1 \
+      | tee "$OUT/rounds_${TAG}_mma${t}_k$q.log" | tail -4
   done; done
 fi
 if want loop; then                    # per pass inside the speculative loop: the head's step and the host's share

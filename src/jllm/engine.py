@@ -186,10 +186,12 @@ class Engine:
             return None
         from jllm.cuda.rounds import HeadRounds, round_drafts
 
-        k = round_drafts()
         # the rounds look the drafts up in the target's embedding on the device (the chain's), and verify
         # k + 1 rows with the step graphs' row-exact kernels
-        if not k or not self.target.chains() or not self.head.blocks or self.head.embed is not self.model.w.embed:
+        if not self.target.chains() or not self.head.blocks or self.head.embed is not self.model.w.embed:
+            return None
+        k = round_drafts()
+        if not k:
             return None
         from jllm.cuda.linear import MATVEC_ROWS
 
