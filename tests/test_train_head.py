@@ -149,6 +149,61 @@ def test_ttt_equals_drafting_row_by_row(target):
                 assert torch.allclose(hs[j][0, t], want[j], atol=1e-4), (t, j)
 
 
+def _reference_ttt(head, feats, ids, lengths, reply_start, target_logits, target_top, steps, decay):
+    """The TTT loss written out the plain way: every step's targets shifted into place over all rows."""
+    from jllm.train.eagle3 import shift_left
+
+    t2d = torch.zeros(head.c.target_vocab, dtype=torch.bool)
+    t2d[head.d2t] = True
+    pos = torch.arange(ids.shape[1])
+    total, losses, accs = torch.zeros(()), [], []
+    for j, h in enumerate(head.unroll(feats, ids, steps)):
+        logp = torch.log_softmax(head.logits(h).float(), dim=-1)
+        pred = pos[None, :] + 2 + j
+        reply = (pred < lengths[:, None]) & (pred >= reply_start[:, None])
+        top = shift_left(target_top, 1 + j)
+        mask = reply & t2d[top]
+        p = torch.softmax(shift_left(target_logits, 1 + j).float(), dim=-1)
+        loss = (-(p * logp).sum(-1) * mask).sum() / mask.sum().clamp(min=1)
+        total = total + decay ** j * loss
+        hit = (head.d2t[logp.argmax(-1)] == top) & reply
+        losses.append(loss.item())
+        accs.append(hit.sum().item() / max(reply.sum().item(), 1))
+    return total, losses, accs
+
+
+def test_ttt_loss_equals_the_plain_formula(target):
+    """The TTT loss, its gradients, and each step's loss and agreement are those of the plain formula (the
+    trainer reads the targets as views and scores only the rows that have a token to draft)."""
+    tg, _, _ = target
+    torch.manual_seed(0)
+    c = HeadConfig.for_target(tg.cfg, 48, ffn=96, layers=(2, 4, 5))
+    head = Eagle3Head(c, tg.embedding)
+    head.d2t.copy_(torch.randperm(c.target_vocab)[:48])
+    B, T = 3, 12
+    ids = torch.randint(0, 290, (B, T))
+    feats = torch.randn(B, T, 3 * c.target_hidden)
+    lengths, starts = torch.tensor([12, 9, 5]), torch.tensor([2, 4, 0])
+    tl = torch.randn(B, T, 48) * 3
+    top = head.d2t[tl.argmax(-1)]
+    top[0, 5] = next(i for i in range(c.target_vocab) if i not in set(head.d2t.tolist()))   # not draftable
+    with torch.no_grad():                                    # a head that agrees with the target now and then
+        head.lm_head.weight.mul_(20)
+    got = head.ttt(feats, ids, lengths, starts, tl, top, steps=14, decay=0.8)     # steps past the rows: none left
+    params = [p for p in head.parameters() if p.requires_grad]
+    got[0].backward()
+    grads = [p.grad.clone() for p in params]
+    head.zero_grad()
+    want = _reference_ttt(head, feats, ids, lengths, starts, tl, top, 14, 0.8)
+    want[0].backward()
+    assert torch.allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
+    assert got[1] == pytest.approx(want[1], rel=1e-5, abs=1e-6) and got[2] == pytest.approx(want[2])
+    assert any(a > 0 for a in want[2])
+    assert len(params) > 10 and all(g.abs().sum() > 0 for g in grads[:3])
+    for g, p in zip(grads, params):
+        assert torch.allclose(g, p.grad, rtol=1e-4, atol=1e-6)
+
+
 def test_train_loss_falls_and_the_gguf_loads(target, tmp_path):
     tg, _, d = target
     rng = __import__("random").Random(1)

@@ -173,21 +173,32 @@ class Eagle3Head(nn.Module):
         (a top token outside the draft vocabulary counts as a miss)."""
         t2d = torch.zeros(self.c.target_vocab, dtype=torch.bool, device=ids.device)
         t2d[self.d2t] = True
-        pos = torch.arange(ids.shape[1], device=ids.device)
+        T = ids.shape[1]
+        pos = torch.arange(T, device=ids.device)
+        # Step j's row t drafts token t + 2 + j against the target's distribution at row t + 1 + j: the same
+        # tensors read 1 + j rows on, as views (one softmax for all steps, one saved for the backward pass,
+        # where shifted copies made and kept one a step), and only the rows that have such a token are scored.
+        target_p = torch.softmax(target_logits.float(), dim=-1)             # [B, T, Vd]
+        countable = t2d[target_top]                                          # the target's top token is draftable
         total = feats.new_zeros((), dtype=torch.float32)
-        losses, accs = [], []
+        scores = []
         for j, h in enumerate(self.unroll(feats, ids, steps)):
-            logp = torch.log_softmax(self.logits(h).float(), dim=-1)          # [B, T, Vd]
-            pred = pos[None, :] + 2 + j                                        # the token predicted
+            n = T - 1 - j
+            if n <= 0:
+                scores.append(torch.zeros(3, device=ids.device))
+                continue
+            logp = torch.log_softmax(self.logits(h[:, :n]), dim=-1, dtype=torch.float32)    # [B, n, Vd]
+            pred = pos[None, :n] + 2 + j                                       # the token predicted
             reply = (pred < lengths[:, None]) & (pred >= reply_start[:, None])
-            top = shift_left(target_top, 1 + j)
-            mask = reply & t2d[top]
-            p = torch.softmax(shift_left(target_logits, 1 + j).float(), dim=-1)
-            ce = -(p * logp).sum(-1)                                           # [B, T]
+            mask = reply & countable[:, 1 + j:]
+            ce = -(target_p[:, 1 + j:] * logp).sum(-1)                         # [B, n]
             loss = (ce * mask).sum() / mask.sum().clamp(min=1)
             total = total + decay ** j * loss
             with torch.no_grad():
-                hit = (self.d2t[logp.argmax(-1)] == top) & reply
-                losses.append(loss.item())
-                accs.append(hit.sum().item() / max(reply.sum().item(), 1))
+                hit = (self.d2t[logp.argmax(-1)] == target_top[:, 1 + j:]) & reply
+                scores.append(torch.stack([loss.detach().float(), hit.sum().float(), reply.sum().float()]))
+        # read back once a batch, not twice a step: each read waits for the GPU to finish all before it
+        rows = torch.stack(scores).tolist()
+        losses = [r[0] for r in rows]
+        accs = [r[1] / max(r[2], 1) for r in rows]
         return total, losses, accs
