@@ -20,7 +20,8 @@
 #            step and the host's share a round: what a round on the device would save)
 # rounds: jllm bench --spec with rounds on the device (jllm.cuda.rounds) once per ROUNDS value (JLLM_CUDA_ROUNDS,
 # drafts a round; 0: the host-driven loop), with HEAD, or without it a random head of the real shape made here
-# (benchmarks/synthetic_head.py: every draft wrong, so a round's tokens/s against plain is its cost in steps).
+# (benchmarks/synthetic_head.py: its drafts almost all wrong, so a round's tokens/s against plain is about its
+# cost in steps; the rounds' accepted count says how far from all wrong).
 # spec runs once per ROUNDS value too.
 # ROWS="8 1": bench and spec once per JLLM_MATVEC_ROWS value (rows of x a matvec program; 1: a program a row).
 # MMA="0 1": tests, profile, bench and spec once per JLLM_MATVEC_MMA value (1: the tensor-core kernels,
@@ -109,7 +110,7 @@ if want spec; then
       | tee "$OUT/spec_${TAG}_r${r}_mma${t}_k$q.log" | tail -16
   done; done; done
 fi
-if want rounds; then                  # a round's cost: an always-wrong head (random) unless HEAD is given
+if want rounds; then                  # a round's cost: a random head unless HEAD is given
   H=${HEAD:-/tmp/h15.gguf}
   [ -f "$H" ] || python3 benchmarks/synthetic_head.py $S15 "$H" || exit 1
   for t in $MMA; do for q in $ROUNDS; do

@@ -1,6 +1,6 @@
 """Write an EAGLE-3 head of the real shapes with random weights for a target GGUF (a synthetic one on the lent
 GPU, where neither the real target nor the shipped head has to travel): the cost of a head's draft step and of
-a speculative round is measured with it; its drafts are wrong (an always-wrong head).
+a speculative round is measured with it; its drafts are almost all wrong (random weights).
 
     python benchmarks/synthetic_head.py /tmp/s15.gguf /tmp/h15.gguf [--draft-vocab 28672 --ffn 2304]
 

@@ -48,10 +48,40 @@ def files(tmp_path_factory):
     from test_eagle3 import write_head
 
     d = tmp_path_factory.mktemp("rounds")
+    if HAS_CUDA:        # graphs need the embedding on the device: a Q4_K table (tiny-k), heads by the exporter
+        return _k_files(d)
     ref = write_tiny_model(d / "target.gguf", "qwen2", Q.Q8_0)
     write_head(d / "head.gguf", ref, qtype=Q.Q8_0, d2t=False)     # draft ids are target ids (the oracle below)
     write_head(d / "head_d2t.gguf", ref, qtype=Q.Q8_0, seed=2)
     return str(d / "target.gguf"), str(d / "head.gguf"), str(d / "head_d2t.gguf")
+
+
+def _k_files(d):
+    import importlib.util
+    from pathlib import Path
+
+    from gguf import GGMLQuantizationType as Q
+
+    from jllm.gguf.reader import read_gguf
+    from jllm.model.config import config_from_gguf
+    from jllm.train.eagle3 import Eagle3Head, HeadConfig
+    from jllm.train.export import write_head as export
+
+    spec = importlib.util.spec_from_file_location(
+        "synthetic_gguf", Path(__file__).resolve().parents[1] / "benchmarks" / "synthetic_gguf.py")
+    synthetic_gguf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(synthetic_gguf)
+    target = str(d / "target.gguf")
+    synthetic_gguf.write(target, "tiny-k", "q4_k_m")
+    g = read_gguf(target)
+    cfg = config_from_gguf(g.metadata, set(g.tensors), target)
+    paths = []
+    for name, vocab in (("head", cfg.vocab_size), ("head_d2t", 256)):   # d2t the identity, then the first 256
+        torch.manual_seed(len(paths))
+        head = Eagle3Head(HeadConfig.for_target(cfg, vocab, 256, (0, 1, 2)), torch.zeros(1, cfg.hidden))
+        export(d / f"{name}.gguf", head, target, Q.Q8_0)
+        paths.append(str(d / f"{name}.gguf"))
+    return target, paths[0], paths[1]
 
 
 class Oracle:
@@ -99,7 +129,7 @@ def rounds_for(spec, k, truth=None, miss=None):
     return spec.rounds
 
 
-def same_context(plain, spec, ref, last):
+def same_context(plain, spec, ref, last, full=True):
     """spec (rounds) holds what plain decoding holds, and what ref (the host-driven head) holds: the target's
     captured states and the head's rows, bitwise (every row of either is a single step's). last: the newest
     token, not yet evaluated."""
@@ -112,6 +142,7 @@ def same_context(plain, spec, ref, last):
     context = spec.target.ids + [last]
     m = spec.head.length
     assert m <= n and spec.draft_proposer.paired == context[1:m + 1]
+    assert m == n or not full, (m, n)                        # rounds that ran to the end: every row kept
     ref.draft_proposer.catch_up(context[:m + 1])             # the host's head over the same rows
     assert ref.head.length == m
     assert torch.equal(ref.head.cache.k[:, :, :m], spec.head.cache.k[:, :, :m])
@@ -119,19 +150,55 @@ def same_context(plain, spec, ref, last):
     return m
 
 
+def test_rounds_give_plain_greedy_tokens_and_leave_its_context(files, tmp_path, monkeypatch):
+    from jllm.sampling import SamplingParams
+
+    plain, spec, ref = engines(files, tmp_path, monkeypatch)
+    ids = plain.encode("the cat sat on the mat and the cat sat on the")
+    full = plain.generate(ids, SamplingParams(max_tokens=40)).token_ids
+    # the oracle misses at every fifth position: rounds accept 0 .. k drafts
+    rounds = rounds_for(spec, 3, ids + full, lambda pos: pos % 5 == 2)
+    for n in (1, 2, 5, 17, 40):
+        for eng in (plain, spec, ref):
+            eng.reset()
+        launched = rounds.launched
+        want = plain.generate(ids, SamplingParams(max_tokens=n)).token_ids
+        got = spec.generate(ids, SamplingParams(max_tokens=n))
+        assert got.token_ids == want == full[:n] == ref.generate(ids, SamplingParams(max_tokens=n)).token_ids
+        assert (rounds.launched > launched) == (n > 1)
+        same_context(plain, spec, ref, want[-1], full=n > 1)
+    stats = got.spec_stats.as_dict()
+    hist = stats["accept_histogram"]
+    assert stats["rounds"] >= 8 and hist.get(3, 0) > 0 and sum(v for a, v in hist.items() if 0 < a < 3) > 0
+    assert stats["accepted"] > stats["rounds"] and stats["drafted"] == 3 * stats["rounds"]
+    # a consumer that lets go early: the context is what plain decoding holds after as many tokens
+    for eng in (plain, spec, ref):
+        eng.reset()
+        run = eng.stream(ids, SamplingParams(max_tokens=40))
+        assert len([next(run) for _ in range(13)]) == 13
+        run.close()
+    same_context(plain, spec, ref, full[12])
+    # the next turn goes on from that context, the head's rows included
+    more = spec.target.ids + [7, 8, 9]
+    assert spec.generate(more, SamplingParams(max_tokens=9)).token_ids == \
+        plain.generate(more, SamplingParams(max_tokens=9)).token_ids
+    if HAS_CUDA:
+        assert rounds.count() == 1
+
+
 def test_rounds_with_a_random_head_and_a_draft_vocabulary(files, tmp_path, monkeypatch):
     """A head drafting over its own vocabulary (d2t) and mostly wrong: still plain greedy's tokens."""
     from jllm.sampling import SamplingParams
 
     plain, spec, ref = engines(files, tmp_path, monkeypatch, head="d2t")
-    rounds_for(spec, 2)
+    rounds = rounds_for(spec, 2)
     for prompt in ("hello", "the quick brown fox"):
         for eng in (plain, spec, ref):
             eng.reset()
         want = plain.generate(prompt, SamplingParams(max_tokens=24)).token_ids
         got = spec.generate(prompt, SamplingParams(max_tokens=24))
         assert got.token_ids == want == ref.generate(prompt, SamplingParams(max_tokens=24)).token_ids
-        assert got.spec_stats.rounds > 0
+        assert rounds.launched >= got.spec_stats.rounds > 0 and got.spec_stats.drafted == 2 * got.spec_stats.rounds
         same_context(plain, spec, ref, want[-1])
 
 
@@ -142,9 +209,11 @@ def test_rounds_end_with_plain_steps_where_the_context_has_no_room(files, tmp_pa
     ids = plain.encode("the cat sat on the mat")
     full = plain.generate(ids, SamplingParams(max_tokens=100)).token_ids
     assert len(ids) + len(full) == 40                       # the budget is the context's room
-    rounds_for(spec, 4, ids + full, lambda pos: pos % 7 == 3)
+    rounds = rounds_for(spec, 4, ids + full, lambda pos: pos % 7 == 3)
     plain.reset()
     got = spec.generate(ids, SamplingParams(max_tokens=100))
     assert got.token_ids == full == ref.generate(ids, SamplingParams(max_tokens=100)).token_ids
     assert plain.generate(ids, SamplingParams(max_tokens=100)).token_ids == full
-    same_context(plain, spec, ref, full[-1])
+    assert rounds.launched > 0 and got.spec_stats.rounds > 0
+    assert 0 < len(plain.target) - got.spec_stats.accepted - got.spec_stats.rounds - len(ids) + 1 <= 4 + 1
+    same_context(plain, spec, ref, full[-1], full=False)

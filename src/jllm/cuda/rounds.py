@@ -75,11 +75,21 @@ class HeadRounds:
             raise ValueError("a round drafts at least one token")
         self.model, self.head, self.k = model, head, k
         self.graphs = model.device.type == "cuda" if graphs is None else graphs
+        if self.graphs:
+            from jllm.cuda.embedding import DeviceEmbedding
+
+            # a graph cannot wait for the host: the drafts' embedding rows must come from the device
+            if not isinstance(model.w.embed, DeviceEmbedding) or head.embed is not model.w.embed:
+                raise ValueError("rounds as CUDA graphs need the target's embedding on the device (a Q4_K table)")
+            if model.graphs is None or k + 1 > model.graphs.max_rows:
+                raise ValueError(f"a round's verify pass of {k + 1} rows is past the step graphs' row-exact kernels")
+        self.launched = 0           # rounds launched, for the tests and the bench
         self.pool = model.graphs.pool if self.graphs and model.graphs is not None else None
         self.rows = torch.arange(k + 1, device=model.device)
         d2t = head._d2t_here
         self.d2t = None if d2t is None else d2t.to(model.device, torch.int64)
-        # a drafted id feeds the target's embedding unchecked: its table must cover every id the head can draft
+        # a drafted id feeds the target's embedding unchecked: format.check_target keeps d2t's ids inside the
+        # target's vocabulary, and Transformer.chain (which Engine requires) its output rows inside the table
         self.positions = min(model.rope_global[0].shape[0], head.cos.shape[0])
         self._buffers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # target cache -> {head cache: _}
 
@@ -164,11 +174,12 @@ class HeadRounds:
         (Sequence.device_tokens). `valid` is then how far the head's cache holds rows of the rounds read:
         positions 0 .. valid - 1 (row P pairs the target's state at P with the token at P + 1).
         stats (jllm.spec.stats.SpecStats): each round read is recorded there."""
+        start = len(seq.ids)
+        self.valid = start              # catch_up left the head covering positions 0 .. start - 1
         if limit <= 0:
             return
         head, k = self.head, self.k
         cache, features, capture = seq.cache, seq.features, seq.capture
-        start = len(seq.ids)
         room = min(cache.max_tokens, head.cache.max_tokens, self.positions)
         b = self._prepared(cache, features, capture)
         at_start = dict(token=token, position=start, logits=first.logits, hidden=first.state)
@@ -178,8 +189,8 @@ class HeadRounds:
             cache.length = max(cache.length, start + k + 1)
             head.cache.length = max(head.cache.length, start + k + 1)
             self._capture(b, at_start, cache, features, capture)
-        self._start(b, **at_start)
-        self.valid = start              # catch_up left the head covering positions 0 .. start - 1
+        else:
+            self._start(b, **at_start)
         launched, taken = 0, 0          # rounds launched; tokens handed on
         confirmed = start               # position of the newest token of the rounds read so far
         pending: list[tuple[int, int, object]] = []       # runs in flight: (first slot, rounds, event)
@@ -204,6 +215,7 @@ class HeadRounds:
                 else:
                     self._round(b, cache, features, capture)
             launched += n
+            self.launched += n
             ev = None
             for lo, hi in _segments(slot, n, 2 * RUN):      # the log is a ring: a run may wrap around it
                 b.host[lo:hi].copy_(b.log[lo:hi], non_blocking=b.graph is not None)
