@@ -126,7 +126,22 @@ def rounds_for(spec, k, truth=None, miss=None):
 
     head = spec.head if truth is None else Oracle(spec.head, truth, miss)
     spec.rounds = HeadRounds(spec.model, head, k, graphs=HAS_CUDA)
+    spec.round_gate = Scripted([("rounds", 1000)])
     return spec.rounds
+
+
+class Scripted:
+    """A round gate that follows a script of (mode, tokens) stretches, over and over."""
+
+    def __init__(self, script):
+        self.script, self.i, self.seen = script, 0, []
+
+    def next(self):
+        self.i += 1
+        return self.script[(self.i - 1) % len(self.script)]
+
+    def observe(self, mode, tokens, seconds):
+        self.seen.append((mode, tokens))
 
 
 def same_context(plain, spec, ref, last, full=True):
@@ -184,6 +199,24 @@ def test_rounds_give_plain_greedy_tokens_and_leave_its_context(files, tmp_path, 
         plain.generate(more, SamplingParams(max_tokens=9)).token_ids
     if HAS_CUDA:
         assert rounds.count() == 1
+
+
+def test_stretches_of_rounds_and_of_steps_give_plain_greedy_tokens(files, tmp_path, monkeypatch):
+    """The round gate's stretches: rounds, then plain steps (chained on a GPU, from the host here), then rounds
+    again, which catch the head up over the steps' tokens; each stretch is observed with its tokens."""
+    from jllm.sampling import SamplingParams
+
+    plain, spec, ref = engines(files, tmp_path, monkeypatch)
+    ids = plain.encode("the cat sat on the mat and the cat sat on the")
+    want = plain.generate(ids, SamplingParams(max_tokens=30)).token_ids
+    rounds = rounds_for(spec, 3, ids + want, lambda pos: pos % 5 == 2)
+    spec.round_gate = gate = Scripted([("rounds", 7), ("steps", 4)])
+    got = spec.generate(ids, SamplingParams(max_tokens=30))
+    assert got.token_ids == want and rounds.launched > 0
+    assert [m for m, _ in gate.seen[:4]] == ["rounds", "steps", "rounds", "steps"]
+    assert [n for _, n in gate.seen] == [7, 4, 7, 4, 7][:len(gate.seen)] and sum(n for _, n in gate.seen) == 29
+    ref.generate(ids, SamplingParams(max_tokens=30))
+    same_context(plain, spec, ref, want[-1], full=False)
 
 
 def test_rounds_with_a_random_head_and_a_draft_vocabulary(files, tmp_path, monkeypatch):

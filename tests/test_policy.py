@@ -1,9 +1,9 @@
-"""The drafting policy (jllm/spec/policy.py), pure: the draft gate and the row costs driven with given
-times, the length rules, the n-gram cut, the draft's stopping rule and the side leaf's position."""
+"""The drafting policy (jllm/spec/policy.py), pure: the draft gate, the GPU's round gate and the row costs
+driven with given times, the length rules, the n-gram cut, the draft's stopping rule and the side leaf's position."""
 
 import torch
 
-from jllm.spec.policy import DraftGate, RowCost, draft_goes_on, leaf_position, next_length, ngram_keep
+from jllm.spec.policy import DraftGate, RoundGate, RowCost, draft_goes_on, leaf_position, next_length, ngram_keep
 
 
 def drive(gate, rounds: int, tokens) -> list[str]:
@@ -145,3 +145,37 @@ def test_leaf_position_is_the_least_confident_token_below_the_threshold():
     assert leaf_position([0.9, 0.4, 0.6, 0.4], 0.7) == 1    # the first of the least confident
     assert leaf_position([0.9, 0.8], 0.7) is None
     assert leaf_position([], 0.7) is None
+
+
+def run_round_gate(gate, stretches: int, per_token) -> list[str]:
+    """Drive a RoundGate: a stretch of n tokens in mode m takes n * per_token(m, i) seconds (i: its index)."""
+    modes = []
+    for i in range(stretches):
+        mode, n = gate.next()
+        modes.append(mode)
+        gate.observe(mode, n, n * per_token(mode, i))
+    return modes
+
+
+def test_round_gate_keeps_rounds_that_pay_and_probes_steps():
+    gate = RoundGate(stretch=48, probe=16, probe_every=6)
+    modes = run_round_gate(gate, 30, lambda m, i: 1.0 if m == "rounds" else 1.6)
+    assert modes[:2] == ["rounds", "steps"]                  # each measured once
+    assert modes[2:].count("steps") == 5 and modes[2:].count("rounds") == 23     # a probe every 6th stretch
+    assert [gate.next() for _ in range(5)] == [("rounds", 48)] * 5
+
+
+def test_round_gate_drops_rounds_that_do_not_pay_and_takes_them_back_when_the_text_suits_them():
+    gate = RoundGate(stretch=48, probe=16, probe_every=6, decay=0.5)
+    # a weak head for 20 stretches (rounds at 1.3 steps a token), then a strong one (0.6)
+    modes = run_round_gate(gate, 40, lambda m, i: 1.0 if m == "steps" else (1.3 if i < 20 else 0.6))
+    assert modes[2:20].count("rounds") <= 3                  # only probes while rounds lose
+    assert modes[30:].count("rounds") >= 8                   # back once a probe shows them paying
+    assert gate.next()[1] in (16, 48)
+
+
+def test_round_gate_ignores_empty_stretches():
+    gate = RoundGate()
+    gate.observe("rounds", 0, 1.0)
+    gate.observe("steps", 5, 0.0)
+    assert gate.per_token == {"rounds": None, "steps": None} and gate.next() == ("rounds", 48)

@@ -34,7 +34,7 @@ from jllm.sequence import Sequence, common_prefix
 from jllm.spec.compat import check_compatible
 from jllm.spec.config import SpecConfig, draft_precision_for
 from jllm.spec.loop import SpeculativeDecoder
-from jllm.spec.policy import DraftGate
+from jllm.spec.policy import DraftGate, RoundGate
 from jllm.spec.proposers import DraftModelProposer, HeadProposer
 from jllm.spec.stats import SpecStats
 from jllm.stops import StopMatcher
@@ -157,6 +157,7 @@ class Engine:
         self.spec = spec if spec is not None and spec.mode != "none" else None
         self.gate: DraftGate | None = None     # the draft gate, kept across generations (a chat's turns)
         self.rounds = self._head_rounds()      # greedy speculation with the head in rounds on the GPU, or None
+        self.round_gate = RoundGate()          # rounds or chained steps, kept across generations (a chat's turns)
         self.kv_store = None
         if kv_store_dir is not None:
             # CPU and CUDA compute slightly different KV, and an f32 cache's state is not an f16 one's
@@ -390,32 +391,54 @@ class Engine:
 
     def _round_tokens(self, logits: torch.Tensor, params: SamplingParams, budget: int,
                       stats: SpecStats | None = None) -> Iterator[int]:
-        """Greedy speculation with the EAGLE-3 head in rounds on the device (jllm.cuda.rounds): plain greedy
-        decoding's tokens, and at the end the same held context; the head's cache keeps the rows of the
-        rounds read. Where the context has no room left for a round, plain steps finish."""
-        seq, prop, eot = self.target, self.draft_proposer, self.tokenizer.eot_ids
+        """Greedy decoding on the device in stretches, each either speculative rounds with the EAGLE-3 head
+        (jllm.cuda.rounds) or plain steps chained there (jllm.cuda.chain), as the round gate judges by their
+        times (spec.policy.RoundGate): plain greedy decoding's tokens either way, and at the end the same held
+        context; the head's cache keeps the rows of the rounds read. Where the context has no room left for a
+        round (its last k + 1 positions) or the head has no states for it, a plain step."""
+        seq, prop, eot, gate = self.target, self.draft_proposer, self.tokenizer.eot_ids, self.round_gate
         tok = argmax(logits)[0]
-        yielded = 0
-        while True:
-            yield tok
-            yielded += 1
-            if yielded >= budget or tok in eot:
-                return
-            first = prop.catch_up(seq.ids + [tok])
-            if first is not None:
-                last = tok
-                run = seq.device_tokens(tok, lambda owned: self._rounds_source(tok, first, budget - yielded,
-                                                                              stats, owned))
+        yield tok
+        yielded = 1
+        while yielded < budget and tok not in eot:
+            mode, n = gate.next()
+            n = min(n, budget - yielded)
+            run = None
+            if mode == "rounds":
+                first = prop.catch_up(seq.ids + [tok])
+                if first is not None:
+                    run = seq.device_tokens(tok, lambda owned, t=tok, f=first, n=n:
+                                            self._rounds_source(t, f, n, stats, owned))
+            else:
+                run = seq.chain_tokens(tok, n) if seq.chains() else self._host_steps(tok, n)
+            got, graphs, t0 = 0, self._graph_count(), time.perf_counter()
+            if run is not None:
                 try:
-                    for last in run:
-                        yield last
+                    for tok in run:
+                        got += 1
+                        yield tok
                         yielded += 1
-                        if yielded >= budget or last in eot:
+                        if yielded >= budget or tok in eot:
                             return
                 finally:
                     run.close()
-                tok = last
-            tok = argmax(self.step(tok))[0]         # no room for a round, or no states for the head: a step
+                    if self._graph_count() == graphs:       # a capture's time is not the mode's
+                        gate.observe(mode, got, time.perf_counter() - t0)
+            if not got:
+                tok = argmax(self.step(tok))[0]
+                yield tok
+                yielded += 1
+
+    def _host_steps(self, token: int, n: int) -> Iterator[int]:
+        """n greedy steps from the host after `token` (where steps cannot be chained on the device)."""
+        for _ in range(n):
+            token = argmax(self.step(token))[0]
+            yield token
+
+    def _graph_count(self) -> int:
+        """CUDA graphs captured so far for the rounds and the chain."""
+        chain = self.model.chain
+        return (self.rounds.count() if self.rounds is not None else 0) + (chain.count() if chain is not None else 0)
 
     def _rounds_source(self, token: int, first, limit: int, stats, owned) -> Iterator[int]:
         """The rounds' tokens for Sequence.device_tokens; when done, the head keeps the rows they computed for

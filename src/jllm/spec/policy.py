@@ -232,3 +232,40 @@ class DraftGate:
 
     def _avg(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new
+
+
+class RoundGate:
+    """Whether greedy decoding on a GPU runs speculative rounds on the device (jllm.cuda.rounds) or plain steps
+    chained there (jllm.cuda.chain), stretch by stretch, from the seconds a token each has taken (moving
+    averages). Rounds draft k tokens every round whatever the head's confidence, so with a head that the text
+    does not suit they cost more than they bring. Unlike DraftGate it compares times: a lent GPU is not shared
+    as the CPU's cores are, so its times hold still from one stretch to the next (a stretch in which a CUDA
+    graph was captured is not observed: the caller skips it).
+
+    Rounds go first; after their first stretch, steps get one to be measured; then the faster mode runs
+    stretches of `stretch` tokens and the other gets one of `probe` tokens every `probe_every` stretches, since
+    a head's acceptance moves with the text (code against prose)."""
+
+    def __init__(self, stretch: int = 48, probe: int = 16, probe_every: int = 6, decay: float = 0.7):
+        self.stretch, self.probe, self.probe_every, self.decay = stretch, probe, probe_every, decay
+        self.per_token = {"rounds": None, "steps": None}     # seconds a token, moving averages
+        self.stretches = 0
+
+    def next(self) -> tuple[str, int]:
+        """The next stretch: its mode ("rounds" or "steps") and its length in tokens."""
+        self.stretches += 1
+        r, s = self.per_token["rounds"], self.per_token["steps"]
+        if r is None:
+            return "rounds", self.stretch
+        if s is None:
+            return "steps", self.probe
+        best, other = ("rounds", "steps") if r <= s else ("steps", "rounds")
+        if self.stretches % self.probe_every == 0:
+            return other, self.probe
+        return best, self.stretch
+
+    def observe(self, mode: str, tokens: int, seconds: float) -> None:
+        if tokens <= 0 or seconds <= 0:
+            return
+        v, old = seconds / tokens, self.per_token[mode]
+        self.per_token[mode] = v if old is None else self.decay * old + (1 - self.decay) * v
