@@ -113,10 +113,13 @@ fi
 if want rounds; then                  # a round's cost: a random head unless HEAD is given
   H=${HEAD:-/tmp/h15.gguf}
   [ -f "$H" ] || python3 benchmarks/synthetic_head.py $S15 "$H" || exit 1
-  for t in $MMA; do for q in $ROUNDS; do
-    JLLM_MATVEC_MMA=$t JLLM_CUDA_ROUNDS=$q python3 -m jllm bench --spec -m $S15 -md "$H" --device cuda \
-      --precision blocks -n 64 --json "$OUT/rounds_${TAG}_mma${t}_k$q.json" 2>&1 \
-      | tee "$OUT/rounds_${TAG}_mma${t}_k$q.log" | tail -4
+  for t in $MMA; do for q in $ROUNDS; do     # the rounds alone (no gate), then as the engine runs them
+    for g in 0 1; do
+      JLLM_MATVEC_MMA=$t JLLM_CUDA_ROUNDS=$q JLLM_CUDA_ROUND_GATE=$g python3 -m jllm bench --spec -m $S15 \
+        -md "$H" --device cuda --precision blocks -n 64 --json "$OUT/rounds_${TAG}_mma${t}_k${q}_g$g.json" 2>&1 \
+        | tee "$OUT/rounds_${TAG}_mma${t}_k${q}_g$g.log" | tail -4
+      [ "$q" = 0 ] && break
+    done
   done; done
 fi
 if want loop; then                    # per pass inside the speculative loop: the head's step and the host's share

@@ -179,3 +179,11 @@ def test_round_gate_ignores_empty_stretches():
     gate.observe("rounds", 0, 1.0)
     gate.observe("steps", 5, 0.0)
     assert gate.per_token == {"rounds": None, "steps": None} and gate.next() == ("rounds", 48)
+
+
+def test_a_fixed_round_gate_keeps_its_mode():
+    gate = RoundGate(fixed="rounds")
+    for _ in range(10):
+        gate.observe("rounds", 10, 100.0)
+        gate.observe("steps", 10, 1.0)
+    assert {gate.next() for _ in range(12)} == {("rounds", 48)}

@@ -157,7 +157,8 @@ class Engine:
         self.spec = spec if spec is not None and spec.mode != "none" else None
         self.gate: DraftGate | None = None     # the draft gate, kept across generations (a chat's turns)
         self.rounds = self._head_rounds()      # greedy speculation with the head in rounds on the GPU, or None
-        self.round_gate = RoundGate()          # rounds or chained steps, kept across generations (a chat's turns)
+        # rounds or chained steps, kept across generations (a chat's turns); JLLM_CUDA_ROUND_GATE=0: rounds always
+        self.round_gate = RoundGate(fixed=None if os.environ.get("JLLM_CUDA_ROUND_GATE", "1") != "0" else "rounds")
         self.kv_store = None
         if kv_store_dir is not None:
             # CPU and CUDA compute slightly different KV, and an f32 cache's state is not an f16 one's

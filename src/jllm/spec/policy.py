@@ -246,14 +246,19 @@ class RoundGate:
     stretches of `stretch` tokens and the other gets one of `probe` tokens every `probe_every` stretches, since
     a head's acceptance moves with the text (code against prose)."""
 
-    def __init__(self, stretch: int = 48, probe: int = 16, probe_every: int = 6, decay: float = 0.7):
+    def __init__(self, stretch: int = 48, probe: int = 16, probe_every: int = 6, decay: float = 0.7,
+                 fixed: str | None = None):
+        """fixed: always this mode (a measurement of one mode's own speed)."""
         self.stretch, self.probe, self.probe_every, self.decay = stretch, probe, probe_every, decay
+        self.fixed = fixed
         self.per_token = {"rounds": None, "steps": None}     # seconds a token, moving averages
         self.stretches = 0
 
     def next(self) -> tuple[str, int]:
         """The next stretch: its mode ("rounds" or "steps") and its length in tokens."""
         self.stretches += 1
+        if self.fixed is not None:
+            return self.fixed, self.stretch
         r, s = self.per_token["rounds"], self.per_token["steps"]
         if r is None:
             return "rounds", self.stretch
