@@ -49,9 +49,10 @@ ARGS="$*"
 # next call), which joins, checks and installs it under /tmp/t39; every later call then runs under it.
 TRITON39_SHA=5e52ab4e2f1d64f0ac494c9aa723697b793f81a91c4cae4c36608ca0bc4267bf
 if want triton39; then
-  cat /tmp/m/tw? > /tmp/triton39.whl && echo "$TRITON39_SHA  /tmp/triton39.whl" | sha256sum -c - || exit 1
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/t39 /tmp/triton39.whl || exit 1
-  rm -f /tmp/m/tw? /tmp/triton39.whl
+  W=/tmp/triton-3.9.0-cp312-abi3-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl
+  cat /tmp/m/tw? > $W && echo "$TRITON39_SHA  $W" | sha256sum -c - || exit 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/t39 $W || exit 1
+  rm -f /tmp/m/tw? $W
 fi
 [ -d /tmp/t39/triton ] && export PYTHONPATH="$PWD/src:/tmp/t39:/tmp/site"
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv

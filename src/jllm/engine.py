@@ -344,7 +344,7 @@ class Engine:
         timings.prompt_tokens_evaluated = evaluated
         timings.cached_tokens = len(prompt_ids) - evaluated
         budget = min(params.max_tokens, self.ctx_size - len(prompt_ids))
-        if token_source is None and self.rounds is not None and params.argmax_only:
+        if token_source is None and self.spec is not None and self.rounds is not None and params.argmax_only:
             run.spec_stats = SpecStats()
             token_source = partial(self._round_tokens, stats=run.spec_stats)
         if token_source is None and self.spec is not None:
