@@ -25,12 +25,12 @@
 # spec runs once per ROUNDS value too.
 # ROWS="8 1": bench and spec once per JLLM_MATVEC_ROWS value (rows of x a matvec program; 1: a program a row).
 # MMA="0 1": tests, profile, bench and spec once per JLLM_MATVEC_MMA value (1: the tensor-core kernels,
-# jllm.cuda.mma). The first lease after session 27, synthetic weights (no transfer), in this order:
-#   MMA="0 1" bash benchmarks/cuda_lease.sh build tests      (the verify-equals-steps tests both ways first)
-#   MMA="0 1" bash benchmarks/cuda_lease.sh mma bench        (the kernels' sweep; decode, chained, verify rows)
-#   MMA="0 1" bash benchmarks/cuda_lease.sh profile llamacpp  (where a step's time goes; llama.cpp, same file)
-#   ROUNDS="0 3 6" MMA="0 1" bash benchmarks/cuda_lease.sh rounds  (a speculative round's cost in steps, both
-#                                                            ways: host-driven, and k drafts in rounds on the device)
+# jllm.cuda.mma; q4_k: Q4_K's only, Q6_K's on the CUDA cores). The next lease after session 28, in this order:
+#   MMA="q4_k" bash benchmarks/cuda_lease.sh tests bench      (the image's Triton 3.6: exactness, then decode and
+#                                                               verify rows with Q4_K alone on the tensor cores)
+#   TRITON_DEFAULT_FP_FUSION=0 MMA="0 q4_k" bash benchmarks/cuda_lease.sh triton39 tests bench   (5 `keep` calls
+#       first: does 3.9 keep the CUDA-core rows their own without contracted multiply-adds, and at what speed?)
+#   then the real model and head: MODEL=... HEAD=... MMA="q4_k 1" ROUNDS="0 3" ... spec
 # mma: the matvec sweep of the tensor-core kernels (outputs a program, shares of a row) at 1, 4 and 16 rows,
 # beside the CUDA-core kernels at their settings.
 # build: only start llama.cpp's build (from the first call, so that it is done when `llamacpp` runs).

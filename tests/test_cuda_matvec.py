@@ -327,7 +327,7 @@ def test_the_tensor_core_kernels_match_the_cpu_and_keep_each_row_its_own(kind, m
     place in the matrix, so there the same row at the same place is what is bitwise."""
     import jllm.cuda.mma as mma
 
-    monkeypatch.setattr(mma, "ENABLED", True)
+    mma_on(monkeypatch)
     n, k = 40, 1024                                     # 40 outputs: a ragged last tile of 16
     raw = random_blocks(kind, n, k, seed=21)
     w = TYPES[kind][0](raw, (n, k), DEV)
@@ -355,7 +355,7 @@ def test_the_tensor_core_kernels_keep_x_of_any_magnitude_to_f32_precision(kind, 
     row of ordinary values."""
     import jllm.cuda.mma as mma
 
-    monkeypatch.setattr(mma, "ENABLED", True)
+    mma_on(monkeypatch)
     n, k = 16, 768
     raw = random_blocks(kind, n, k, seed=31)
     w = TYPES[kind][0](raw, (n, k), DEV)
@@ -377,13 +377,32 @@ def test_the_tensor_core_kernels_keep_x_of_any_magnitude_to_f32_precision(kind, 
     assert torch.equal(y[3], torch.zeros(n, dtype=torch.float64))
 
 
-def test_a_layer_of_q4_k_and_q6_k_parts_prepares_x_once_for_both(monkeypatch):
+def mma_on(monkeypatch, types="1"):
+    """The tensor-core kernels on for these block types (JLLM_MATVEC_MMA's values)."""
+    import jllm.cuda.mma as mma
+
+    monkeypatch.setattr(mma, "TYPES", mma._types(types))
+    monkeypatch.setattr(mma, "ENABLED", bool(mma.TYPES))
+
+
+def test_the_tensor_core_setting_names_block_types():
+    import jllm.cuda.mma as mma
+
+    assert mma._types("1") == (mma.Q4KWeight, mma.Q6KWeight) and mma._types("0") == ()
+    assert mma._types("Q4_K") == (mma.Q4KWeight,) and mma._types("q6_k") == (mma.Q6KWeight,)
+    with pytest.raises(ValueError, match="JLLM_MATVEC_MMA"):
+        mma._types("yes")
+
+
+@pytest.mark.parametrize("types", ["1", "q4_k"])
+def test_a_layer_of_q4_k_and_q6_k_parts_prepares_x_once_for_both(monkeypatch, types):
     """q|k|v as the Q4_K_M files hold it (Q4_K q|k, Q6_K v) on the tensor cores: one jllm.cuda.mma.prepare a
-    call, in both types' orders, and every part's columns as its own product over x."""
+    call, in both types' orders, and every part's columns as its own product over x. With only Q4_K on the
+    tensor cores (q4_k) x is prepared for it alone and the Q6_K part runs on the CUDA cores, each row its own."""
     import jllm.cuda.mma as mma
     from jllm.cuda.linear import BlocksLinear
 
-    monkeypatch.setattr(mma, "ENABLED", True)
+    mma_on(monkeypatch, types)
     calls = []
     real = mma.prepare
     monkeypatch.setattr(mma, "prepare", lambda x, ws: calls.append([type(w).__name__ for w in ws]) or real(x, ws))
@@ -392,16 +411,19 @@ def test_a_layer_of_q4_k_and_q6_k_parts_prepares_x_once_for_both(monkeypatch):
     parts = [TYPES[kind][0](raw, (n, k), DEV) for raw, kind in zip(raws, (T.Q4_K, T.Q6_K))]
     bias = torch.randn(2 * n, generator=torch.Generator().manual_seed(42)).to(DEV)
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(43)).to(DEV)
-    y = BlocksLinear(parts, bias)(x).double().cpu()
-    assert calls == [["Q4KWeight", "Q6KWeight"]]                     # once, for both
+    layer = BlocksLinear(parts, bias)
+    y = layer(x)
+    assert calls == ([["Q4KWeight", "Q6KWeight"]] if types == "1" else [["Q4KWeight"]])     # once
     want = torch.cat([x.double().cpu() @ dequantize(raw.numpy(), kind, (n, k)).double().T
                       for raw, kind in zip(raws, (T.Q4_K, T.Q6_K))], dim=1) + bias.double().cpu()
-    assert torch.allclose(y, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert torch.allclose(y.double().cpu(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    if types == "q4_k":                                  # the CUDA-core part: bitwise a row alone
+        assert torch.equal(layer(x[2:3])[:, n:], y[2:3, n:])
 
 
-@pytest.mark.parametrize("shape", ["tiny-k", "tiny-k2"])
-def test_the_norms_and_the_glu_make_x_ready_for_the_tensor_cores_as_a_launch_of_its_own_would(shape, monkeypatch,
-                                                                                              tmp_path):
+@pytest.mark.parametrize("shape,types", [("tiny-k", "1"), ("tiny-k2", "1"), ("tiny-k", "q4_k")])
+def test_the_norms_and_the_glu_make_x_ready_for_the_tensor_cores_as_a_launch_of_its_own_would(shape, types,
+                                                                                              monkeypatch, tmp_path):
     """With the tensor-core kernels on, a K-quant model's norms, GLU and attention merge write their outputs'
     prepared form (jllm.cuda.fused, jllm.cuda.attention: `prep`): no launch of its own prepares x, and the
     logits are bitwise those of every layer preparing its own x; close to the CUDA-core kernels'.
@@ -423,7 +445,7 @@ def test_the_norms_and_the_glu_make_x_ready_for_the_tensor_cores_as_a_launch_of_
     m.graphs = m.prefill_graphs = None
     ids = torch.tensor([5, 17, 300], device=DEV)
     cores = m.forward(ids, m.new_cache(16)).cpu()                   # the CUDA-core kernels
-    monkeypatch.setattr(mma, "ENABLED", True)
+    mma_on(monkeypatch, types)
     calls = []
     real = mma.prepare
     monkeypatch.setattr(mma, "prepare", lambda x, ws: calls.append(x.shape) or real(x, ws))
@@ -431,6 +453,10 @@ def test_the_norms_and_the_glu_make_x_ready_for_the_tensor_cores_as_a_launch_of_
     assert calls == []
     monkeypatch.setattr(BlocksLinear, "empty_prep", lambda self, x: None)
     own = m.forward(ids, m.new_cache(16)).cpu()
-    assert len(calls) == 4 * m.cfg.n_layers + 1                     # q|k|v (one for both types), o, gate|up, down; output
+    L = m.cfg.n_layers
+    if types == "1":        # q|k|v (one for both types), o, gate|up, down; output
+        assert len(calls) == 4 * L + 1
+    else:                   # Q4_K only: not the output (Q6_K), nor ffn_down where it is Q6_K (even layers)
+        assert len(calls) == 3 * L + L // 2
     assert torch.equal(fused, own)
     assert ((fused - cores).abs().max() / cores.abs().max()).item() < 1e-4

@@ -49,7 +49,19 @@ from jllm.cuda.codes import ASM
 from jllm.cuda.q4_k import Q4KWeight
 from jllm.cuda.q6_k import Q6KWeight
 
-ENABLED = os.environ.get("JLLM_MATVEC_MMA", "0") == "1"
+def _types(v: str) -> tuple:
+    """JLLM_MATVEC_MMA: 1 (Q4_K and Q6_K products on the tensor cores), q4_k or q6_k (that type only, the other
+    on the CUDA cores), 0 (none). A matrix's kernel is the same for every row count whatever the choice, so
+    rows stay their own (session 28: Q6_K's one-row products, the output layer's above all, are ~3x slower on
+    the tensor cores, while Q4_K's cost about the same for 1 to 16 rows)."""
+    table = {"1": (Q4KWeight, Q6KWeight), "q4_k": (Q4KWeight,), "q6_k": (Q6KWeight,), "0": ()}
+    if v.lower() not in table:
+        raise ValueError(f"JLLM_MATVEC_MMA={v!r}: 1, q4_k, q6_k or 0")
+    return table[v.lower()]
+
+
+TYPES = _types(os.environ.get("JLLM_MATVEC_MMA", "0"))     # the block types whose products run here
+ENABLED = bool(TYPES)
 ROWS = 16                   # every pass is one tile of 16 rows (tl.dot's least)
 BLOCK_N = 64                # outputs a program: x's tile is read once for these (SASS, sm_90, before the row
                             # masks: 3.6 / 6.5 instructions a weight at 64, 8.9 / 18 at 32, 3.5 / 8.8 at 128)
@@ -272,8 +284,8 @@ def setting(w) -> tuple[int, int]:
 
 
 def handles(x: torch.Tensor, w) -> bool:
-    """Whether this pass runs here: enabled, a K-quant, at most 16 rows."""
-    return ENABLED and isinstance(w, (Q4KWeight, Q6KWeight)) and x.shape[0] <= ROWS
+    """Whether this pass runs here: enabled for its block type (TYPES), at most 16 rows."""
+    return ENABLED and isinstance(w, TYPES) and x.shape[0] <= ROWS
 
 
 @dataclass
