@@ -26,6 +26,8 @@
 # ROWS="8 1": bench and spec once per JLLM_MATVEC_ROWS value (rows of x a matvec program; 1: a program a row).
 # MMA="0 1": tests, profile, bench and spec once per JLLM_MATVEC_MMA value (1: the tensor-core kernels,
 # jllm.cuda.mma; q4_k: Q4_K's only, Q6_K's on the CUDA cores). The next lease after session 28, in this order:
+#   MMA=0 bash benchmarks/cuda_lease.sh bench profile          (first: session 28's decode, 466 chained under 3.9,
+#                                                               against 571 in session 24 under 3.6: which costs it)
 #   MMA="q4_k" bash benchmarks/cuda_lease.sh tests bench      (the image's Triton 3.6: exactness, then decode and
 #                                                               verify rows with Q4_K alone on the tensor cores)
 #   TRITON_DEFAULT_FP_FUSION=0 MMA="0 q4_k" bash benchmarks/cuda_lease.sh triton39 tests bench   (5 `keep` calls
