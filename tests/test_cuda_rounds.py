@@ -28,6 +28,8 @@ def test_the_rounds_setting_is_read_and_checked(monkeypatch):
     from jllm.cuda.rounds import round_drafts
 
     monkeypatch.delenv("JLLM_CUDA_ROUNDS", raising=False)
+    assert round_drafts() == 3                          # on by default (a GPU with a head, greedy)
+    monkeypatch.setenv("JLLM_CUDA_ROUNDS", "0")
     assert round_drafts() == 0
     monkeypatch.setenv("JLLM_CUDA_ROUNDS", "4")
     assert round_drafts() == 4

@@ -183,7 +183,9 @@ class Engine:
         self.load_ms = (time.perf_counter() - t0) * 1000
 
     def _head_rounds(self):
-        """jllm.cuda.rounds for the head on a GPU where JLLM_CUDA_ROUNDS asks for it (k drafts a round)."""
+        """jllm.cuda.rounds for the head on a GPU (k drafts a round, JLLM_CUDA_ROUNDS; 0 turns them off). On the
+        H200 the host-driven loop gave 0.58-0.99x of plain decoding, rounds 1.40x (BENCHMARKS.md, session 28),
+        and their gate falls back to chained plain steps where rounds lose."""
         if self.head is None or self.spec is None or not self.spec.proposers(True)[1]:
             return None
         from jllm.cuda.rounds import HeadRounds, round_drafts

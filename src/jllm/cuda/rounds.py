@@ -39,11 +39,13 @@ import torch
 from jllm.errors import JllmError
 
 RUN = 4                     # rounds a run: the host reads a run's log while the next run computes
+DRAFTS = 3                  # drafts a round by default: the best of k = 2..5 with the shipped head on the H200
+                            # (BENCHMARKS.md, "Session 28 on the GPU": 1.38 / 1.40 / 1.37 / 1.32x)
 
 
 def round_drafts() -> int:
-    """Drafts a round from JLLM_CUDA_ROUNDS (0, the default: rounds off, the host drives speculation)."""
-    v = os.environ.get("JLLM_CUDA_ROUNDS", "0")
+    """Drafts a round from JLLM_CUDA_ROUNDS (default DRAFTS; 0: rounds off, the host drives speculation)."""
+    v = os.environ.get("JLLM_CUDA_ROUNDS", str(DRAFTS))
     try:
         k = int(v)
     except ValueError:
