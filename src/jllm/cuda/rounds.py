@@ -102,10 +102,6 @@ class HeadRounds:
         i = torch.argmax(logits).view(1)
         return i if self.d2t is None else self.d2t.index_select(0, i)
 
-    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.model.w.embed(ids).float()
-        return x * self.model.embed_scale if self.model.embed_scale is not None else x
-
     @torch.inference_mode()
     def _round(self, b: _Buffers, cache, features: torch.Tensor, capture: tuple[int, ...]) -> None:
         """One round on the buffers (nothing in it reads the host: a CUDA graph's body)."""
@@ -119,7 +115,7 @@ class HeadRounds:
             drafts.append(self._draft_id(logits[0]))
         block = torch.cat([b.state[0:1]] + drafts)                       # [k + 1]: b, d_1 .. d_k
         rows = pos + self.rows
-        logits, hidden = self.model._blocks_body(self._embed(block), cache, rows, capture)
+        logits, hidden = self.model._blocks_body(self.model.embed(block), cache, rows, capture)
         features.index_copy_(0, rows, hidden.to(features.dtype))
         a = torch.argmax(logits, dim=1)                                  # the target's tokens, [k + 1]
         n = torch.cumprod((block[1:] == a[:k]).to(torch.int64), 0).sum().view(1)

@@ -115,6 +115,11 @@ class Transformer:
         return KVCache(c.n_layers, c.n_kv_heads, c.head_dim, max_tokens, dtype=dtype or self.kv_dtype,
                        device=self.device)
 
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The tokens' rows as the layers take them [T, D] (scaled where the architecture scales them)."""
+        x = self.w.embed(tokens)
+        return x * self.embed_scale if self.embed_scale is not None else x
+
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False,
                 capture: tuple[int, ...] | None = None, tree: list[int] | None = None):
@@ -136,9 +141,7 @@ class Transformer:
             raise ValueError("side leaves and trees need the native layer stack")
         norm = self.kernels.rms_norm if self.kernels is not None else rms_norm
         start = cache.reserve(T)
-        x = w.embed(tokens)                                                   # x: [T, D]
-        if self.embed_scale is not None:
-            x = x * self.embed_scale
+        x = self.embed(tokens)                                                # x: [T, D]
         if capture is not None and not all(0 <= i <= c.n_layers for i in capture):
             raise ValueError(f"capture layers {capture} beyond 0..{c.n_layers}")
         if self.stack is not None:                                            # layers, norm, output: one call
@@ -188,9 +191,7 @@ class Transformer:
         """One greedy chain step (cuda/chain.py): the token state[0] at position state[1], both on the device ->
         (logits [1, V], the captured layers' inputs or None); the step graph's body of one row after the same
         embedding."""
-        x = self.w.embed(state[:1])                       # ids on the device: looked up there, unchecked
-        if self.embed_scale is not None:
-            x = x * self.embed_scale
+        x = self.embed(state[:1])                         # ids on the device: looked up there, unchecked
         return self._blocks_body(x, cache, state[1:2], capture)
 
     def _prefill_body(self, x: torch.Tensor, cache: KVCache, pos: torch.Tensor, last: torch.Tensor,
