@@ -382,7 +382,6 @@ def mma_on(monkeypatch, types="1"):
     import jllm.cuda.mma as mma
 
     monkeypatch.setattr(mma, "TYPES", mma._types(types))
-    monkeypatch.setattr(mma, "ENABLED", bool(mma.TYPES))
 
 
 def test_the_tensor_core_setting_names_block_types():

@@ -60,8 +60,7 @@ def _types(v: str) -> tuple:
     return table[v.lower()]
 
 
-TYPES = _types(os.environ.get("JLLM_MATVEC_MMA", "0"))     # the block types whose products run here
-ENABLED = bool(TYPES)
+TYPES = _types(os.environ.get("JLLM_MATVEC_MMA", "0"))     # the block types whose products run here (none: off)
 ROWS = 16                   # every pass is one tile of 16 rows (tl.dot's least)
 BLOCK_N = 64                # outputs a program: x's tile is read once for these (SASS, sm_90, before the row
                             # masks: 3.6 / 6.5 instructions a weight at 64, 8.9 / 18 at 32, 3.5 / 8.8 at 128)
@@ -285,7 +284,7 @@ def setting(w) -> tuple[int, int]:
 
 def handles(x: torch.Tensor, w) -> bool:
     """Whether this pass runs here: enabled for its block type (TYPES), at most 16 rows."""
-    return ENABLED and isinstance(w, TYPES) and x.shape[0] <= ROWS
+    return isinstance(w, TYPES) and x.shape[0] <= ROWS
 
 
 @dataclass
