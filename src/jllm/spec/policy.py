@@ -231,7 +231,12 @@ class DraftGate:
         return value is not None and value < self.off_below
 
     def _avg(self, old: float | None, new: float) -> float:
-        return new if old is None else self.decay * old + (1 - self.decay) * new
+        return moving_average(old, new, self.decay)
+
+
+def moving_average(old: float | None, new: float, decay: float) -> float:
+    """An exponential moving average's next value (the first value as it is)."""
+    return new if old is None else decay * old + (1 - decay) * new
 
 
 class RoundGate:
@@ -272,5 +277,4 @@ class RoundGate:
     def observe(self, mode: str, tokens: int, seconds: float) -> None:
         if tokens <= 0 or seconds <= 0:
             return
-        v, old = seconds / tokens, self.per_token[mode]
-        self.per_token[mode] = v if old is None else self.decay * old + (1 - self.decay) * v
+        self.per_token[mode] = moving_average(self.per_token[mode], seconds / tokens, self.decay)
