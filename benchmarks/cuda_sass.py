@@ -23,7 +23,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from jllm.cuda import mma, q4_k, q6_k
+from jllm.cuda import dp4a, mma, q4_k, q6_k
 
 _COMMON = {"b_ptr": "*fp32", "y_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "NB": "i32", "Y_STRIDE": "i32",
            "NB_PART": "i32", "P_STRIDE": "i32"}
@@ -37,7 +37,14 @@ KERNELS = {"q4_k": (q4_k._q4_k_matvec, {"x_ptr": "*fp32", "qs_ptr": "*i32", "d_p
                                         "qs_ptr": "*i32", "d_ptr": "*fp16", "dmin_ptr": "*fp16", "sc_ptr": "*u8",
                                         "mn_ptr": "*u8"}),
            "q6_k_mma": (mma._q6_k_mma, {"xh_ptr": "*fp16", "xl_ptr": "*fp16", "inv_ptr": "*fp32", "ql_ptr": "*i32", "qh_ptr": "*i32",
-                                        "sc_ptr": "*i8", "d_ptr": "*fp16"})}
+                                        "sc_ptr": "*i8", "d_ptr": "*fp16"}),
+           # int8 x and dp4a (jllm.cuda.dp4a), compiled as launched: no fp fusion
+           "q4_k_dp4a": (dp4a._q4_k_dp4a, {"xq_ptr": "*i32", "dx_ptr": "*fp32", "bsx_ptr": "*fp32", "qs_ptr": "*i32",
+                                           "d_ptr": "*fp16", "dmin_ptr": "*fp16", "sc_ptr": "*u8", "mn_ptr": "*u8"},
+                         {"enable_fp_fusion": False}),
+           "q6_k_dp4a": (dp4a._q6_k_dp4a, {"xq_ptr": "*i32", "dx_ptr": "*fp32", "c6_ptr": "*i32", "ql_ptr": "*i32",
+                                           "qh_ptr": "*i32", "sc_ptr": "*i8", "d_ptr": "*fp16"},
+                         {"enable_fp_fusion": False})}
 DIVISIBLE = ("N", "K", "Y_STRIDE")      # as triton's launcher specialises them for the real shapes (x 16)
 
 
@@ -54,8 +61,10 @@ def main() -> None:
     ap.add_argument("--no-asm", action="store_true", help="the interpreter's shifts and masks instead of prmt")
     ap.add_argument("--file", help="the kernel from another copy of its module (an experiment)")
     ap.add_argument("--ragged", action="store_true", help="masked tiles (EVEN false)")
+    ap.add_argument("--dump", action="store_true", help="print the SASS too")
     a = ap.parse_args()
-    fn, ptrs = KERNELS[a.kernel]
+    fn, ptrs, *more = KERNELS[a.kernel]
+    options = more[0] if more else {}                # compile options the kernel is launched with
     if a.file:
         import importlib.util
 
@@ -74,7 +83,8 @@ def main() -> None:
              for n, ty in sig.items() if ty.startswith("*") or n in DIVISIBLE}
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                        target=GPUTarget("cuda", a.arch, 32),
-                       options={"num_warps": a.warps, **({"num_stages": a.num_stages} if a.num_stages else {})})
+                       options={"num_warps": a.warps, **options,
+                                **({"num_stages": a.num_stages} if a.num_stages else {})})
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])
@@ -83,14 +93,18 @@ def main() -> None:
                               text=True, check=True).stdout
         usage = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", f.name], capture_output=True,
                                text=True, check=True).stdout
+    if a.dump:
+        print(sass)
     ops = {int(at, 16): op for at, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", sass)}
     back = [(int(to, 16), int(at, 16)) for at, to in
             re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", sass)
             if int(to, 16) < int(at, 16)]
     regs = re.search(r"REG:(\d+)", usage)
     weights = a.block_n * a.sb * 256 / (32 * a.warps)           # a thread's weights in one step of the loop
-    print(f"{a.kernel} block_n {a.block_n} sb {a.sb} warps {a.warps} sm_{a.arch}: {len(ops)} instructions, "
-          f"{regs.group(1) if regs else '?'} registers, {k.metadata.shared} B shared")
+    spills = sum(op in ("LDL", "STL") for op in ops.values())
+    print(f"{a.kernel} block_n {a.block_n} sb {a.sb} warps {a.warps} rows {a.rows} sm_{a.arch}: {len(ops)} "
+          f"instructions, {regs.group(1) if regs else '?'} registers, {k.metadata.shared} B shared, "
+          f"{spills} local loads/stores (spills)")
     for lo, hi in back:
         count = collections.Counter(op for at, op in ops.items() if lo <= at <= hi)
         total = sum(count.values())
