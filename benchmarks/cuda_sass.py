@@ -39,10 +39,10 @@ KERNELS = {"q4_k": (q4_k._q4_k_matvec, {"x_ptr": "*fp32", "qs_ptr": "*i32", "d_p
            "q6_k_mma": (mma._q6_k_mma, {"xh_ptr": "*fp16", "xl_ptr": "*fp16", "inv_ptr": "*fp32", "ql_ptr": "*i32", "qh_ptr": "*i32",
                                         "sc_ptr": "*i8", "d_ptr": "*fp16"}),
            # int8 x and dp4a (jllm.cuda.dp4a), compiled as launched: no fp fusion
-           "q4_k_dp4a": (dp4a._q4_k_dp4a, {"xq_ptr": "*i32", "dx_ptr": "*fp32", "bsx_ptr": "*fp32", "qs_ptr": "*i32",
+           "q4_k_dp4a": (dp4a._q4_k_dp4a, {"xq_ptr": "*i32", "s4_ptr": "*fp32", "qs_ptr": "*i32",
                                            "d_ptr": "*fp16", "dmin_ptr": "*fp16", "sc_ptr": "*u8", "mn_ptr": "*u8"},
                          {"enable_fp_fusion": False}),
-           "q6_k_dp4a": (dp4a._q6_k_dp4a, {"xq_ptr": "*i32", "dx_ptr": "*fp32", "c6_ptr": "*i32", "ql_ptr": "*i32",
+           "q6_k_dp4a": (dp4a._q6_k_dp4a, {"xq_ptr": "*i32", "s6_ptr": "*i32", "ql_ptr": "*i32",
                                            "qh_ptr": "*i32", "sc_ptr": "*i8", "d_ptr": "*fp16"},
                          {"enable_fp_fusion": False})}
 DIVISIBLE = ("N", "K", "Y_STRIDE")      # as triton's launcher specialises them for the real shapes (x 16)

@@ -126,9 +126,11 @@ def _dot4(a0, a1, a2, a3, b0, b1, b2, b3, c, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _sum_float(c):
-    """A chain's result (MAGIC + an integer below 2^22 in magnitude) -> that integer as a float32, exactly."""
-    return c.to(tl.float32, bitcast=True) - 12582912.0
+def _times(c, s, nsm):
+    """A chain's result c (MAGIC + an integer i below 2^22 in magnitude) times s, given nsm = -(s * 1.5 * 2^23)
+    (exact where s has at most 21 significant bits: d * scale): one fma, round(s * (1.5 * 2^23 + i) - s * 1.5 *
+    2^23) = round(s * i), the same float as subtracting 1.5 * 2^23 first and multiplying, in one instruction."""
+    return tl.fma(s, c.to(tl.float32, bitcast=True), nsm)
 
 
 @triton.jit
@@ -138,6 +140,19 @@ def _four(v, A: tl.constexpr, B: tl.constexpr):
     v0, v2 = tl.split(e)
     v1, v3 = tl.split(o)
     return v0, v1, v2, v3
+
+
+@triton.jit
+def _eight3(v, A: tl.constexpr, B: tl.constexpr):
+    """[A, B, 8] -> its eight [A, B] slices along the last axis, in order."""
+    e, o = tl.split(tl.reshape(v, (A, B, 2, 2, 2)))      # k = 4p + 2q + c: c = 0, 1
+    e0, e1 = tl.split(e)                                  # q = 0, 1
+    o0, o1 = tl.split(o)
+    v0, v4 = tl.split(e0)                                 # p = 0, 1
+    v2, v6 = tl.split(e1)
+    v1, v5 = tl.split(o0)
+    v3, v7 = tl.split(o1)
+    return v0, v1, v2, v3, v4, v5, v6, v7
 
 
 @triton.jit
@@ -151,14 +166,6 @@ def _eight(v, A: tl.constexpr):
     v1, v5 = tl.split(o0)
     v3, v7 = tl.split(o1)
     return v0, v1, v2, v3, v4, v5, v6, v7
-
-
-@triton.jit
-def _shuffled(S: tl.constexpr):
-    """0 .. S - 1 (a power of two) in an order that is not consecutive (5 s mod S), so that Triton lays the
-    step's per-block scale loads out as the words' tiles ([outputs, blocks], a block a thread) instead of
-    vectorizing them along the blocks, which would take a shared-memory exchange of every row's sums a step."""
-    return (tl.arange(0, S) * 5) & (S - 1)
 
 
 # ---- x made ready ----------------------------------------------------------------------------------------------
@@ -197,50 +204,52 @@ def _codes(x_ptr, pos, inv, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def prep_block(x_ptr, r, kb, K, xq4_ptr, xq6_ptr, dx_ptr, bsx_ptr, c6_ptr, Q4: tl.constexpr, Q6: tl.constexpr,
+def prep_block(x_ptr, r, kb, K, xq4_ptr, s4_ptr, xq6_ptr, s6_ptr, Q4: tl.constexpr, Q6: tl.constexpr,
                USE_ASM: tl.constexpr):
-    """Super-block kb (256 values) of row r of x [M, K] made ready: dx [M, K / 32]; with Q4 the codes in Q4_K's
-    order (xq4 int8 [M, K]) and bsx [M, K / 32]; with Q6 the codes in Q6_K's order (xq6) and c6 [M, K / 16]."""
+    """Super-block kb (256 values) of row r of x [M, K] made ready: with Q4 its codes in Q4_K's order (xq4
+    int8 [M, K]) and per block of 32 (dx, bsx) (s4 float32 [M, K / 32, 2]); with Q6 its codes in Q6_K's order
+    (xq6) and per block of 32 (dx's bits, c6 of its two groups, 0) (s6 int32 [M, K / 32, 4]): a row's block
+    of a product is then two 16-byte loads of codes and one of its numbers."""
     row = x_ptr + r * K + kb * 256
     f = tl.reshape(tl.arange(0, 256), (8, 32))                         # [block of 32, byte]
     amax = tl.max(tl.abs(tl.load(row + f).to(tl.float32)), axis=1)      # [8]
     dx = tl.math.div_rn(amax, tl.full((8,), 127.0, tl.float32))
     inv = tl.where(amax > 0, tl.math.div_rn(tl.full((8,), 127.0, tl.float32), amax), 0.0)
-    tl.store(dx_ptr + r * (K // 32) + kb * 8 + tl.arange(0, 8), dx)
+    i = r * (K // 32) + kb * 8 + tl.arange(0, 8)                        # [8] the blocks' index
     if Q4:
         q = _codes(row, _q4_pos(f), inv, USE_ASM)
         tl.store(xq4_ptr + r * K + kb * 256 + f, q.to(tl.int8))
-        tl.store(bsx_ptr + r * (K // 32) + kb * 8 + tl.arange(0, 8), dx * tl.sum(q, axis=1).to(tl.float32))
+        tl.store(s4_ptr + 2 * i, dx)
+        tl.store(s4_ptr + 2 * i + 1, dx * tl.sum(q, axis=1).to(tl.float32))
     if Q6:
         q = _codes(row, _q6_pos(f), inv, USE_ASM)
         tl.store(xq6_ptr + r * K + kb * 256 + f, q.to(tl.int8))
-        c6 = _MAGIC - 32 * tl.sum(tl.reshape(q, (16, 16)), axis=1)
-        tl.store(c6_ptr + r * (K // 16) + kb * 16 + tl.arange(0, 16), c6)
+        c0, c1 = tl.split(tl.sum(tl.reshape(q, (8, 2, 16)), axis=2) * -32 + _MAGIC)      # [8] each
+        tl.store(s6_ptr + 4 * i, dx.to(tl.int32, bitcast=True))
+        tl.store(s6_ptr + 4 * i + 1, c0)
+        tl.store(s6_ptr + 4 * i + 2, c1)
+        tl.store(s6_ptr + 4 * i + 3, tl.zeros((8,), tl.int32))
 
 
 @triton.jit
-def _x_prep(x_ptr, xq4_ptr, xq6_ptr, dx_ptr, bsx_ptr, c6_ptr, K, Q4: tl.constexpr, Q6: tl.constexpr,
-            USE_ASM: tl.constexpr):
+def _x_prep(x_ptr, xq4_ptr, s4_ptr, xq6_ptr, s6_ptr, K, Q4: tl.constexpr, Q6: tl.constexpr, USE_ASM: tl.constexpr):
     """One program a row and super-block (prep_block)."""
-    prep_block(x_ptr, tl.program_id(0), tl.program_id(1), K, xq4_ptr, xq6_ptr, dx_ptr, bsx_ptr, c6_ptr, Q4, Q6,
-               USE_ASM)
+    prep_block(x_ptr, tl.program_id(0), tl.program_id(1), K, xq4_ptr, s4_ptr, xq6_ptr, s6_ptr, Q4, Q6, USE_ASM)
 
 
 @dataclass
 class Prepared:
-    """x made ready once for every dp4a product over it (prep_block): dx, and the codes (and their sums) in the
-    order of each block type asked for (None where not). Made by prepare(), or empty by empty() for a producer
-    of x to fill as it writes x."""
-    dx: torch.Tensor                                            # float32 [M, K / 32]
-    q4: tuple[torch.Tensor, torch.Tensor] | None                # codes int8 [M, K], bsx float32 [M, K / 32]
-    q6: tuple[torch.Tensor, torch.Tensor] | None                # codes int8 [M, K], c6 int32 [M, K / 16]
+    """x made ready once for every dp4a product over it (prep_block): for each block type asked for, the codes
+    in its order and its numbers per block of 32 (None where not asked for). Made by prepare(), or empty by
+    empty() for a producer of x to fill as it writes x."""
+    q4: tuple[torch.Tensor, torch.Tensor] | None     # codes int8 [M, K]; (dx, bsx) float32 [M, K / 32, 2]
+    q6: tuple[torch.Tensor, torch.Tensor] | None     # codes int8 [M, K]; (dx's bits, c6, c6, 0) int32 [M, K / 32, 4]
 
     def pointers(self) -> tuple:
-        """The five tensors prep_block writes (xq4, xq6, dx, bsx, c6), dx where a type is not asked for (its
+        """The four tensors prep_block writes (xq4, s4, xq6, s6), another where a type is not asked for (its
         stores are compiled out), and the two flags."""
-        xq4, bsx = self.q4 or (self.dx, self.dx)
-        xq6, c6 = self.q6 or (self.dx, self.dx)
-        return (xq4, xq6, self.dx, bsx, c6), self.q4 is not None, self.q6 is not None
+        some = (self.q4 or self.q6)[0]
+        return (*(self.q4 or (some, some)), *(self.q6 or (some, some))), self.q4 is not None, self.q6 is not None
 
 
 def kinds(weights) -> tuple[bool, bool]:
@@ -249,18 +258,18 @@ def kinds(weights) -> tuple[bool, bool]:
 
 
 def empty(m: int, k: int, q4: bool, q6: bool, device) -> Prepared:
-    """Room for m rows of k inputs made ready for Q4_K (q4) and Q6_K (q6) products."""
-    f32 = dict(dtype=torch.float32, device=device)
-    return Prepared(torch.empty(m, k // 32, **f32),
-                    (torch.empty(m, k, dtype=torch.int8, device=device), torch.empty(m, k // 32, **f32))
-                    if q4 else None,
-                    (torch.empty(m, k, dtype=torch.int8, device=device),
-                     torch.empty(m, k // 16, dtype=torch.int32, device=device)) if q6 else None)
+    """Room for m rows of k inputs made ready for Q4_K (q4) and Q6_K (q6) products (at least one)."""
+    if not (q4 or q6):
+        raise ValueError("prepare x for Q4_K or Q6_K products, or both")
+    codes = lambda: torch.empty(m, k, dtype=torch.int8, device=device)       # noqa: E731
+    return Prepared((codes(), torch.empty(m, k // 32, 2, dtype=torch.float32, device=device)) if q4 else None,
+                    (codes(), torch.empty(m, k // 32, 4, dtype=torch.int32, device=device)) if q6 else None)
 
 
 def prepare(x: torch.Tensor, weights) -> Prepared:
-    """x [M, K] float32 or bfloat16 (contiguous) for the products over `weights` (Q4KWeight / Q6KWeight, all of K
-    inputs): one launch, whose result every product over x (q|k|v: Q4_K and Q6_K) then reads."""
+    """x [M, K] float32 or bfloat16 (contiguous; K a multiple of 256) for the products over `weights`
+    (Q4KWeight / Q6KWeight, all of K inputs): one launch, whose result every product over x (q|k|v: Q4_K and
+    Q6_K) then reads."""
     m, k = x.shape
     prep = empty(m, k, *kinds(weights), x.device)
     ptrs, q4, q6 = prep.pointers()
@@ -272,91 +281,103 @@ def prepare(x: torch.Tensor, weights) -> Prepared:
 # ---- the products ----------------------------------------------------------------------------------------------
 
 @triton.jit
-def _q4_k_row(acc, xq_ptr, dx_ptr, bsx_ptr, xo, sub, ok, l0, l1, l2, l3, h0, h1, h2, h3, dsc, ndmm,
-              S: tl.constexpr, USE_ASM: tl.constexpr):
-    """One row's step: its codes of the step's sub-blocks (xq words at xo [S, 8]) against the masked weight
-    words, one chain a sub-block, then the sub-block's float terms into acc [BN, S]. The same operations in the
-    same order for every row (jllm.cuda.rows)."""
-    x0, x1, x2, x3, x4, x5, x6, x7 = _eight(tl.load(xq_ptr + xo, mask=ok[:, None], other=0), S)
+def _x_row(r, M, K):
+    """Row r of a program's rows -> the row of x it reads (past M: the last, in bounds; not stored)."""
+    return tl.minimum(r, M - 1)
+
+
+@triton.jit
+def _q4_k_row(acc, xq, s4, ok, l0, l1, l2, l3, h0, h1, h2, h3, dsc, ndscm, ndmm, J: tl.constexpr,
+              USE_ASM: tl.constexpr):
+    """One row's sub-block J of a step's super-blocks (its codes' words at xq [SB] + 8 J.., its (dx, bsx) at
+    s4 [SB] + 2 J) against the masked weight words [BN, SB]: one dp4a chain, then the sub-block's float terms
+    into acc [BN, SB]. The same operations in the same order for every row (jllm.cuda.rows)."""
+    w = tl.load(xq[:, None] + (8 * J + tl.arange(0, 8))[None, :], mask=ok[:, None], other=0)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _eight(w, w.shape[0])
     c = _dot8(l0, l1, l2, l3, h0, h1, h2, h3, x0[None, :], x1[None, :], x2[None, :], x3[None, :], x4[None, :],
               x5[None, :], x6[None, :], x7[None, :], _MAGIC, USE_ASM)
-    dx = tl.load(dx_ptr + sub, mask=ok, other=0.0)
-    bsx = tl.load(bsx_ptr + sub, mask=ok, other=0.0)
-    acc = tl.fma(dsc * _sum_float(c), dx[None, :], acc)
+    dx, bsx = tl.split(tl.load(s4[:, None] + (2 * J + tl.arange(0, 2))[None, :], mask=ok[:, None], other=0.0))
+    acc = tl.fma(_times(c, dsc, ndscm), dx[None, :], acc)
     return tl.fma(ndmm, bsx[None, :], acc)
 
 
 @triton.jit
-def _q4_k_dp4a(xq_ptr, dx_ptr, bsx_ptr, qs_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, b_ptr, y_ptr, M, N, K, NB,
+def _q4_k_dp4a(xq_ptr, s4_ptr, qs_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, b_ptr, y_ptr, M, N, K, NB,
                Y_STRIDE, NB_PART, P_STRIDE, BLOCK_N: tl.constexpr, SB: tl.constexpr, ROWS: tl.constexpr,
                HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr):
-    """x's codes xq (int32 words [M, K / 4], Q4_K's order), dx and bsx [M, K / 32] -> y (see q4_k._q4_k_matvec
-    for the grid, the shares and EVEN). A thread takes a sub-block's four words of an output."""
+    """x's codes xq (int32 words [M, K / 4], Q4_K's order) and (dx, bsx) s4 [M, K / 32, 2] -> y (the grid, the shares
+    and EVEN as q4_k._q4_k_matvec's). A step is SB super-blocks of BLOCK_N outputs, an output's super-block to a
+    thread, its 8 sub-blocks one after the other: its scales, mins, d and dmin are loaded once for its 256
+    weights, and each row's x words of a sub-block once for all of the thread's outputs."""
     m0 = tl.program_id(0) * ROWS
     pid_n = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     live = rows < N
-    S: tl.constexpr = 8 * SB              # sub-blocks of 32 weights a step
-    s = _shuffled(S)
+    c = tl.arange(0, SB)
     t = tl.arange(0, 4)
-    j = tl.arange(0, 8)
-    acc0 = tl.zeros((BLOCK_N, S), dtype=tl.float32)       # one sum per row (jllm.cuda.rows)
-    acc1 = tl.zeros((BLOCK_N, S), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_N, S), dtype=tl.float32)
-    acc3 = tl.zeros((BLOCK_N, S), dtype=tl.float32)
-    acc4 = tl.zeros((BLOCK_N, S), dtype=tl.float32)
-    acc5 = tl.zeros((BLOCK_N, S), dtype=tl.float32)
-    acc6 = tl.zeros((BLOCK_N, S), dtype=tl.float32)
-    acc7 = tl.zeros((BLOCK_N, S), dtype=tl.float32)
-    part = tl.program_id(2)
-    end = tl.minimum(NB, (part + 1) * NB_PART) * 8
-    KW = K // 4                           # x's words a row
-    KB = K // 32                          # x's blocks of 32 a row
+    j8 = tl.arange(0, 8)
+    acc0 = tl.zeros((BLOCK_N, SB), dtype=tl.float32)      # one sum per row (jllm.cuda.rows)
+    acc1 = tl.zeros((BLOCK_N, SB), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, SB), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, SB), dtype=tl.float32)
+    acc4 = tl.zeros((BLOCK_N, SB), dtype=tl.float32)
+    acc5 = tl.zeros((BLOCK_N, SB), dtype=tl.float32)
+    acc6 = tl.zeros((BLOCK_N, SB), dtype=tl.float32)
+    acc7 = tl.zeros((BLOCK_N, SB), dtype=tl.float32)
+    part = tl.program_id(2)               # this program's share of the row: super-blocks part * NB_PART on
+    end = tl.minimum(NB, (part + 1) * NB_PART)
+    KW = tl.multiple_of(K // 4, 64)       # x's words a row (K: a multiple of 256)
+    KS = tl.multiple_of(K // 16, 16)      # s4's numbers a row
+    x1 = _x_row(m0 + 1, M, K)
+    x2 = _x_row(m0 + 2, M, K)
+    x3 = _x_row(m0 + 3, M, K)
+    x4 = _x_row(m0 + 4, M, K)
+    x5 = _x_row(m0 + 5, M, K)
+    x6 = _x_row(m0 + 6, M, K)
+    x7 = _x_row(m0 + 7, M, K)
     for kb in tl.range(0, tl.cdiv(NB_PART, SB), num_stages=STAGES):
-        sub = part * NB_PART * 8 + kb * S + s
-        ok = (sub < end) | EVEN
+        blk = part * NB_PART + kb * SB + c                      # [SB] super-blocks
+        ok = (blk < end) | EVEN
         m2 = (live[:, None] & ok[None, :]) | EVEN
-        q = tl.load(qs_ptr + rows[:, None, None] * (NB * 32) + sub[None, :, None] * 4 + t[None, None, :],
-                    mask=m2[:, :, None], other=0)                                   # int32 [BN, S, 4]
-        l0, l1, l2, l3 = _four(q & 0x0F0F0F0F, BLOCK_N, S)                          # weights 4i + t
-        h0, h1, h2, h3 = _four((q >> 4) & 0x0F0F0F0F, BLOCK_N, S)                   # weights 16 + 4i + t
-        meta = rows[:, None] * (NB * 8) + sub[None, :]
-        blk = rows[:, None] * NB + sub[None, :] // 8
-        dsc = (tl.load(d_ptr + blk, mask=m2, other=0.0).to(tl.float32)
-               * tl.load(sc_ptr + meta, mask=m2, other=0).to(tl.float32))
-        ndmm = -(tl.load(dmin_ptr + blk, mask=m2, other=0.0).to(tl.float32)
-                 * tl.load(mn_ptr + meta, mask=m2, other=0).to(tl.float32))
-        xo = sub[:, None] * 8 + j[None, :]
-        acc0 = _q4_k_row(acc0, xq_ptr + m0 * KW, dx_ptr + m0 * KB, bsx_ptr + m0 * KB, xo, sub, ok, l0, l1, l2, l3,
-                         h0, h1, h2, h3, dsc, ndmm, S, USE_ASM)
-        if ROWS > 1:
-            r = tl.minimum(m0 + 1, M - 1)
-            acc1 = _q4_k_row(acc1, xq_ptr + r * KW, dx_ptr + r * KB, bsx_ptr + r * KB, xo, sub, ok, l0, l1, l2, l3,
-                             h0, h1, h2, h3, dsc, ndmm, S, USE_ASM)
-        if ROWS > 2:
-            r = tl.minimum(m0 + 2, M - 1)
-            acc2 = _q4_k_row(acc2, xq_ptr + r * KW, dx_ptr + r * KB, bsx_ptr + r * KB, xo, sub, ok, l0, l1, l2, l3,
-                             h0, h1, h2, h3, dsc, ndmm, S, USE_ASM)
-        if ROWS > 3:
-            r = tl.minimum(m0 + 3, M - 1)
-            acc3 = _q4_k_row(acc3, xq_ptr + r * KW, dx_ptr + r * KB, bsx_ptr + r * KB, xo, sub, ok, l0, l1, l2, l3,
-                             h0, h1, h2, h3, dsc, ndmm, S, USE_ASM)
-        if ROWS > 4:
-            r = tl.minimum(m0 + 4, M - 1)
-            acc4 = _q4_k_row(acc4, xq_ptr + r * KW, dx_ptr + r * KB, bsx_ptr + r * KB, xo, sub, ok, l0, l1, l2, l3,
-                             h0, h1, h2, h3, dsc, ndmm, S, USE_ASM)
-        if ROWS > 5:
-            r = tl.minimum(m0 + 5, M - 1)
-            acc5 = _q4_k_row(acc5, xq_ptr + r * KW, dx_ptr + r * KB, bsx_ptr + r * KB, xo, sub, ok, l0, l1, l2, l3,
-                             h0, h1, h2, h3, dsc, ndmm, S, USE_ASM)
-        if ROWS > 6:
-            r = tl.minimum(m0 + 6, M - 1)
-            acc6 = _q4_k_row(acc6, xq_ptr + r * KW, dx_ptr + r * KB, bsx_ptr + r * KB, xo, sub, ok, l0, l1, l2, l3,
-                             h0, h1, h2, h3, dsc, ndmm, S, USE_ASM)
-        if ROWS > 7:
-            r = tl.minimum(m0 + 7, M - 1)
-            acc7 = _q4_k_row(acc7, xq_ptr + r * KW, dx_ptr + r * KB, bsx_ptr + r * KB, xo, sub, ok, l0, l1, l2, l3,
-                             h0, h1, h2, h3, dsc, ndmm, S, USE_ASM)
+        at = rows[:, None] * NB + blk[None, :]                  # [BN, SB]
+        d = tl.load(d_ptr + at, mask=m2, other=0.0).to(tl.float32)
+        dmin = tl.load(dmin_ptr + at, mask=m2, other=0.0).to(tl.float32)
+        m8 = at[:, :, None] * 8 + j8[None, None, :]                                 # [BN, SB, 8]
+        scs = _eight3(tl.load(sc_ptr + m8, mask=m2[:, :, None], other=0), BLOCK_N, SB)
+        mns = _eight3(tl.load(mn_ptr + m8, mask=m2[:, :, None], other=0), BLOCK_N, SB)
+        qp = qs_ptr + at[:, :, None] * 32 + t[None, None, :]   # the super-blocks' words, sub-block 0
+        xp = xq_ptr + blk * 64                                  # [SB] x's words of the super-blocks
+        sp = s4_ptr + blk * 16                                  # and their (dx, bsx)
+        for j in tl.static_range(8):                            # sub-block j of each super-block
+            q = tl.load(qp + 4 * j, mask=m2[:, :, None], other=0)                   # int32 [BN, SB, 4]
+            l0, l1, l2, l3 = _four(q & 0x0F0F0F0F, BLOCK_N, SB)                     # weights 4i + t
+            h0, h1, h2, h3 = _four((q >> 4) & 0x0F0F0F0F, BLOCK_N, SB)              # weights 16 + 4i + t
+            dsc = d * scs[j].to(tl.float32)
+            ndscm = dsc * -12582912.0                           # exact (_times)
+            ndmm = -(dmin * mns[j].to(tl.float32))
+            acc0 = _q4_k_row(acc0, xp + m0 * KW, sp + m0 * KS, ok, l0, l1, l2, l3, h0, h1, h2, h3, dsc, ndscm, ndmm, j,
+                             USE_ASM)
+            if ROWS > 1:
+                acc1 = _q4_k_row(acc1, xp + x1 * KW, sp + x1 * KS, ok, l0, l1, l2, l3, h0, h1, h2, h3, dsc, ndscm, ndmm,
+                                 j, USE_ASM)
+            if ROWS > 2:
+                acc2 = _q4_k_row(acc2, xp + x2 * KW, sp + x2 * KS, ok, l0, l1, l2, l3, h0, h1, h2, h3, dsc, ndscm, ndmm,
+                                 j, USE_ASM)
+            if ROWS > 3:
+                acc3 = _q4_k_row(acc3, xp + x3 * KW, sp + x3 * KS, ok, l0, l1, l2, l3, h0, h1, h2, h3, dsc, ndscm, ndmm,
+                                 j, USE_ASM)
+            if ROWS > 4:
+                acc4 = _q4_k_row(acc4, xp + x4 * KW, sp + x4 * KS, ok, l0, l1, l2, l3, h0, h1, h2, h3, dsc, ndscm, ndmm,
+                                 j, USE_ASM)
+            if ROWS > 5:
+                acc5 = _q4_k_row(acc5, xp + x5 * KW, sp + x5 * KS, ok, l0, l1, l2, l3, h0, h1, h2, h3, dsc, ndscm, ndmm,
+                                 j, USE_ASM)
+            if ROWS > 6:
+                acc6 = _q4_k_row(acc6, xp + x6 * KW, sp + x6 * KS, ok, l0, l1, l2, l3, h0, h1, h2, h3, dsc, ndscm, ndmm,
+                                 j, USE_ASM)
+            if ROWS > 7:
+                acc7 = _q4_k_row(acc7, xp + x7 * KW, sp + x7 * KS, ok, l0, l1, l2, l3, h0, h1, h2, h3, dsc, ndscm, ndmm,
+                                 j, USE_ASM)
     store_rows(tl.sum(acc0, axis=1), tl.sum(acc1, axis=1), tl.sum(acc2, axis=1), tl.sum(acc3, axis=1),
                tl.sum(acc4, axis=1), tl.sum(acc5, axis=1), tl.sum(acc6, axis=1), tl.sum(acc7, axis=1),
                y_ptr + part * P_STRIDE + rows, live, m0, M, Y_STRIDE, ROWS, HAS_BIAS, b_ptr + rows, False)
@@ -365,101 +386,109 @@ def _q4_k_dp4a(xq_ptr, dx_ptr, bsx_ptr, qs_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr,
 @triton.jit
 def _six(q, h):
     """A group's ql word (t = 0 or 1) and its qh word shifted for it (h << 4 for t = 0, h for t = 1) -> the
-    6-bit codes of the low nibbles' weights (2i + t) and, with h >> 2 more, of the high ones'."""
+    6-bit codes of the low nibbles' weights (2i + t) and of the high ones' (8 + 2i + t), a byte each."""
     return (q & 0x0F0F0F0F) | (h & 0x30303030), ((q >> 4) & 0x0F0F0F0F) | ((h >> 2) & 0x30303030)
 
 
 @triton.jit
-def _q6_k_row(acc, xq_ptr, dx_ptr, c6_ptr, xo, blk, ok, a0, a1, a2, a3, b0, b1, b2, b3, dsc0, dsc1,
-              B: tl.constexpr, USE_ASM: tl.constexpr):
-    """One row's step: its codes of the step's blocks of 32 (xq words at xo [B, 8]: group 0's four, group 1's)
-    against the groups' 6-bit code words a0..a3, b0..b3, each chain from the group's c6, then the float terms
-    into acc [BN, B]. The same operations in the same order for every row."""
-    x0, x1, x2, x3, x4, x5, x6, x7 = _eight(tl.load(xq_ptr + xo, mask=ok[:, None], other=0), B)
-    cg = tl.load(c6_ptr + blk[:, None] * 2 + tl.arange(0, 2)[None, :], mask=ok[:, None], other=_MAGIC)
-    c0, c1 = tl.split(cg)
+def _q6_k_row(acc, xq, s6, ok, a0, a1, a2, a3, b0, b1, b2, b3, dsc0, ndsc0m, dsc1, ndsc1m, J: tl.constexpr,
+              USE_ASM: tl.constexpr):
+    """One row's block of 32 J of a step's super-blocks (its codes' words at xq [SB] + 8 J..: group 0's four,
+    group 1's; its numbers at s6 [SB] + 4 J..) against the groups' 6-bit code words a0..a3, b0..b3 [BN, SB],
+    each group's chain from its c6, then the float terms into acc [BN, SB]. The same operations in the same
+    order for every row."""
+    w = tl.load(xq[:, None] + (8 * J + tl.arange(0, 8))[None, :], mask=ok[:, None], other=0)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _eight(w, w.shape[0])
+    num = tl.load(s6[:, None] + (4 * J + tl.arange(0, 4))[None, :], mask=ok[:, None], other=0)
+    even, odd = tl.split(tl.reshape(num, (w.shape[0], 2, 2)))
+    dx, c1 = tl.split(even)
+    c0, _ = tl.split(odd)
     s0 = _dot4(a0, a1, a2, a3, x0[None, :], x1[None, :], x2[None, :], x3[None, :], c0[None, :], USE_ASM)
     s1 = _dot4(b0, b1, b2, b3, x4[None, :], x5[None, :], x6[None, :], x7[None, :], c1[None, :], USE_ASM)
-    v = dsc0 * _sum_float(s0)
-    v = tl.fma(dsc1, _sum_float(s1), v)
-    return tl.fma(v, tl.load(dx_ptr + blk, mask=ok, other=0.0)[None, :], acc)
+    v = _times(s0, dsc0, ndsc0m) + _times(s1, dsc1, ndsc1m)
+    return tl.fma(v, dx.to(tl.float32, bitcast=True)[None, :], acc)
 
 
 @triton.jit
-def _q6_k_dp4a(xq_ptr, dx_ptr, c6_ptr, ql_ptr, qh_ptr, sc_ptr, d_ptr, b_ptr, y_ptr, M, N, K, NB, Y_STRIDE,
+def _q6_k_dp4a(xq_ptr, s6_ptr, ql_ptr, qh_ptr, sc_ptr, d_ptr, b_ptr, y_ptr, M, N, K, NB, Y_STRIDE,
                NB_PART, P_STRIDE, BLOCK_N: tl.constexpr, SB: tl.constexpr, ROWS: tl.constexpr,
                HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr):
-    """x's codes xq (int32 words [M, K / 4], Q6_K's order), dx [M, K / 32], c6 [M, K / 16] -> y. A thread takes
-    a block of 32 weights of an output: two groups, four ql words, two qh words, two scales."""
+    """x's codes xq (int32 words [M, K / 4], Q6_K's order) and s6 [M, K / 32, 4] -> y. An output's
+    super-block to a thread, as _q4_k_dp4a, its 8 blocks of 32 (two groups each: four ql words, two qh
+    words, two scales) one after the other."""
     m0 = tl.program_id(0) * ROWS
     pid_n = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     live = rows < N
-    B: tl.constexpr = 8 * SB              # blocks of 32 weights (two groups) a step
-    b = _shuffled(B)
+    c = tl.arange(0, SB)
     t = tl.arange(0, 4)
     u = tl.arange(0, 2)
-    j = tl.arange(0, 8)
-    acc0 = tl.zeros((BLOCK_N, B), dtype=tl.float32)
-    acc1 = tl.zeros((BLOCK_N, B), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_N, B), dtype=tl.float32)
-    acc3 = tl.zeros((BLOCK_N, B), dtype=tl.float32)
-    acc4 = tl.zeros((BLOCK_N, B), dtype=tl.float32)
-    acc5 = tl.zeros((BLOCK_N, B), dtype=tl.float32)
-    acc6 = tl.zeros((BLOCK_N, B), dtype=tl.float32)
-    acc7 = tl.zeros((BLOCK_N, B), dtype=tl.float32)
+    j8 = tl.arange(0, 8)
+    acc0 = tl.zeros((BLOCK_N, SB), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, SB), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, SB), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, SB), dtype=tl.float32)
+    acc4 = tl.zeros((BLOCK_N, SB), dtype=tl.float32)
+    acc5 = tl.zeros((BLOCK_N, SB), dtype=tl.float32)
+    acc6 = tl.zeros((BLOCK_N, SB), dtype=tl.float32)
+    acc7 = tl.zeros((BLOCK_N, SB), dtype=tl.float32)
     part = tl.program_id(2)
-    end = tl.minimum(NB, (part + 1) * NB_PART) * 8
-    KW = K // 4
-    KB = K // 32
-    KG = K // 16
+    end = tl.minimum(NB, (part + 1) * NB_PART)
+    KW = tl.multiple_of(K // 4, 64)       # x's words a row (K: a multiple of 256)
+    KS = tl.multiple_of(K // 8, 32)       # s6's numbers a row
+    x1 = _x_row(m0 + 1, M, K)
+    x2 = _x_row(m0 + 2, M, K)
+    x3 = _x_row(m0 + 3, M, K)
+    x4 = _x_row(m0 + 4, M, K)
+    x5 = _x_row(m0 + 5, M, K)
+    x6 = _x_row(m0 + 6, M, K)
+    x7 = _x_row(m0 + 7, M, K)
     for kb in tl.range(0, tl.cdiv(NB_PART, SB), num_stages=STAGES):
-        blk = part * NB_PART * 8 + kb * B + b
+        blk = part * NB_PART + kb * SB + c
         ok = (blk < end) | EVEN
         m2 = (live[:, None] & ok[None, :]) | EVEN
-        at = rows[:, None, None] * (NB * 16) + blk[None, :, None] * 2 + u[None, None, :]        # [BN, B, 2]
-        q0, q1, q2, q3 = _four(tl.load(ql_ptr + rows[:, None, None] * (NB * 32) + blk[None, :, None] * 4
-                                       + t[None, None, :], mask=m2[:, :, None], other=0), BLOCK_N, B)
-        h0, h1 = tl.split(tl.load(qh_ptr + at, mask=m2[:, :, None], other=0))
-        sc0, sc1 = tl.split(tl.load(sc_ptr + at, mask=m2[:, :, None], other=0).to(tl.float32))
-        d = tl.load(d_ptr + rows[:, None] * NB + blk[None, :] // 8, mask=m2, other=0.0).to(tl.float32)
-        dsc0 = d * sc0
-        dsc1 = d * sc1
-        a0, a2 = _six(q0, h0 << 4)        # group 0: words lo t=0, lo t=1, hi t=0, hi t=1 (x's order)
-        a1, a3 = _six(q1, h0)
-        b0, b2 = _six(q2, h1 << 4)        # group 1
-        b1, b3 = _six(q3, h1)
-        xo = blk[:, None] * 8 + j[None, :]
-        acc0 = _q6_k_row(acc0, xq_ptr + m0 * KW, dx_ptr + m0 * KB, c6_ptr + m0 * KG, xo, blk, ok, a0, a1, a2, a3,
-                         b0, b1, b2, b3, dsc0, dsc1, B, USE_ASM)
-        if ROWS > 1:
-            r = tl.minimum(m0 + 1, M - 1)
-            acc1 = _q6_k_row(acc1, xq_ptr + r * KW, dx_ptr + r * KB, c6_ptr + r * KG, xo, blk, ok, a0, a1, a2, a3,
-                             b0, b1, b2, b3, dsc0, dsc1, B, USE_ASM)
-        if ROWS > 2:
-            r = tl.minimum(m0 + 2, M - 1)
-            acc2 = _q6_k_row(acc2, xq_ptr + r * KW, dx_ptr + r * KB, c6_ptr + r * KG, xo, blk, ok, a0, a1, a2, a3,
-                             b0, b1, b2, b3, dsc0, dsc1, B, USE_ASM)
-        if ROWS > 3:
-            r = tl.minimum(m0 + 3, M - 1)
-            acc3 = _q6_k_row(acc3, xq_ptr + r * KW, dx_ptr + r * KB, c6_ptr + r * KG, xo, blk, ok, a0, a1, a2, a3,
-                             b0, b1, b2, b3, dsc0, dsc1, B, USE_ASM)
-        if ROWS > 4:
-            r = tl.minimum(m0 + 4, M - 1)
-            acc4 = _q6_k_row(acc4, xq_ptr + r * KW, dx_ptr + r * KB, c6_ptr + r * KG, xo, blk, ok, a0, a1, a2, a3,
-                             b0, b1, b2, b3, dsc0, dsc1, B, USE_ASM)
-        if ROWS > 5:
-            r = tl.minimum(m0 + 5, M - 1)
-            acc5 = _q6_k_row(acc5, xq_ptr + r * KW, dx_ptr + r * KB, c6_ptr + r * KG, xo, blk, ok, a0, a1, a2, a3,
-                             b0, b1, b2, b3, dsc0, dsc1, B, USE_ASM)
-        if ROWS > 6:
-            r = tl.minimum(m0 + 6, M - 1)
-            acc6 = _q6_k_row(acc6, xq_ptr + r * KW, dx_ptr + r * KB, c6_ptr + r * KG, xo, blk, ok, a0, a1, a2, a3,
-                             b0, b1, b2, b3, dsc0, dsc1, B, USE_ASM)
-        if ROWS > 7:
-            r = tl.minimum(m0 + 7, M - 1)
-            acc7 = _q6_k_row(acc7, xq_ptr + r * KW, dx_ptr + r * KB, c6_ptr + r * KG, xo, blk, ok, a0, a1, a2, a3,
-                             b0, b1, b2, b3, dsc0, dsc1, B, USE_ASM)
+        at = rows[:, None] * NB + blk[None, :]
+        d = tl.load(d_ptr + at, mask=m2, other=0.0).to(tl.float32)
+        qp = ql_ptr + at[:, :, None] * 32 + t[None, None, :]
+        hp = qh_ptr + at[:, :, None] * 16 + u[None, None, :]
+        sp = sc_ptr + at[:, :, None] * 16 + u[None, None, :]
+        xp = xq_ptr + blk * 64
+        np_ = s6_ptr + blk * 32
+        for j in tl.static_range(8):                            # block of 32 j of each super-block
+            q0, q1, q2, q3 = _four(tl.load(qp + 4 * j, mask=m2[:, :, None], other=0), BLOCK_N, SB)
+            h0, h1 = tl.split(tl.load(hp + 2 * j, mask=m2[:, :, None], other=0))
+            sc0, sc1 = tl.split(tl.load(sp + 2 * j, mask=m2[:, :, None], other=0).to(tl.float32))
+            dsc0 = d * sc0
+            dsc1 = d * sc1
+            ndsc0m = dsc0 * -12582912.0                         # exact (_times)
+            ndsc1m = dsc1 * -12582912.0
+            a0, a2 = _six(q0, h0 << 4)    # group 0: words lo t=0, lo t=1, hi t=0, hi t=1 (x's order)
+            a1, a3 = _six(q1, h0)
+            b0, b2 = _six(q2, h1 << 4)    # group 1
+            b1, b3 = _six(q3, h1)
+            acc0 = _q6_k_row(acc0, xp + m0 * KW, np_ + m0 * KS, ok, a0, a1, a2, a3, b0, b1, b2, b3, dsc0, ndsc0m, dsc1, ndsc1m, j,
+                             USE_ASM)
+            if ROWS > 1:
+                acc1 = _q6_k_row(acc1, xp + x1 * KW, np_ + x1 * KS, ok, a0, a1, a2, a3, b0, b1, b2, b3, dsc0, ndsc0m, dsc1, ndsc1m,
+                                 j, USE_ASM)
+            if ROWS > 2:
+                acc2 = _q6_k_row(acc2, xp + x2 * KW, np_ + x2 * KS, ok, a0, a1, a2, a3, b0, b1, b2, b3, dsc0, ndsc0m, dsc1, ndsc1m,
+                                 j, USE_ASM)
+            if ROWS > 3:
+                acc3 = _q6_k_row(acc3, xp + x3 * KW, np_ + x3 * KS, ok, a0, a1, a2, a3, b0, b1, b2, b3, dsc0, ndsc0m, dsc1, ndsc1m,
+                                 j, USE_ASM)
+            if ROWS > 4:
+                acc4 = _q6_k_row(acc4, xp + x4 * KW, np_ + x4 * KS, ok, a0, a1, a2, a3, b0, b1, b2, b3, dsc0, ndsc0m, dsc1, ndsc1m,
+                                 j, USE_ASM)
+            if ROWS > 5:
+                acc5 = _q6_k_row(acc5, xp + x5 * KW, np_ + x5 * KS, ok, a0, a1, a2, a3, b0, b1, b2, b3, dsc0, ndsc0m, dsc1, ndsc1m,
+                                 j, USE_ASM)
+            if ROWS > 6:
+                acc6 = _q6_k_row(acc6, xp + x6 * KW, np_ + x6 * KS, ok, a0, a1, a2, a3, b0, b1, b2, b3, dsc0, ndsc0m, dsc1, ndsc1m,
+                                 j, USE_ASM)
+            if ROWS > 7:
+                acc7 = _q6_k_row(acc7, xp + x7 * KW, np_ + x7 * KS, ok, a0, a1, a2, a3, b0, b1, b2, b3, dsc0, ndsc0m, dsc1, ndsc1m,
+                                 j, USE_ASM)
     store_rows(tl.sum(acc0, axis=1), tl.sum(acc1, axis=1), tl.sum(acc2, axis=1), tl.sum(acc3, axis=1),
                tl.sum(acc4, axis=1), tl.sum(acc5, axis=1), tl.sum(acc6, axis=1), tl.sum(acc7, axis=1),
                y_ptr + part * P_STRIDE + rows, live, m0, M, Y_STRIDE, ROWS, HAS_BIAS, b_ptr + rows, False)
@@ -484,10 +513,10 @@ def launch(x: torch.Tensor, w, y: torch.Tensor, block_n: int, bias: torch.Tensor
                   num_warps=warps(block_n, sb), enable_fp_fusion=False)
     shape = (x.shape[0], n, k, nb, y.stride(-2), part, y.stride(0) if split > 1 else 0)
     if q4:
-        xq, bsx = prep.q4
-        _q4_k_dp4a[grid](xq.view(torch.int32), prep.dx, bsx, w.qs.view(torch.int32), w.d, w.dmin, w.sc, w.mn, b, y,
+        xq, s4 = prep.q4
+        _q4_k_dp4a[grid](xq.view(torch.int32), s4, w.qs.view(torch.int32), w.d, w.dmin, w.sc, w.mn, b, y,
                          *shape, **common)
     else:
-        xq, c6 = prep.q6
-        _q6_k_dp4a[grid](xq.view(torch.int32), prep.dx, c6, w.ql.view(torch.int32), w.qh.view(torch.int32), w.sc,
+        xq, s6 = prep.q6
+        _q6_k_dp4a[grid](xq.view(torch.int32), s6, w.ql.view(torch.int32), w.qh.view(torch.int32), w.sc,
                          w.d, b, y, *shape, **common)
