@@ -3,8 +3,10 @@ run the assembly itself, element-wise over numpy arrays: `.reg` declarations, `m
 immediate, or two 16-bit halves packed / unpacked with `{lo, hi}`), `shl.b32`, `shr.u32`, `lop3.b32` with any
 truth table, and `mul.rn.f16x2` / `fma.rn.f16x2` (each half computed in float64, then rounded once to f16:
 exact for fma where the true result needs no more than float64's 53 bits, as for the small integers and
-dyadic fractions here). Operands `$i` are Triton's numbering: outputs first, then inputs. Anything else is
-refused, so the emulator never silently skips an instruction it does not know."""
+dyadic fractions here), `dp4a.u32.s32` (jllm.cuda.dp4a: four unsigned bytes times four signed ones, plus an
+int32, wrapping as the hardware does) and `cvt.rni.s32.f32` (round to nearest, ties to even). Operands `$i` are
+Triton's numbering: outputs first, then inputs. Anything else is refused, so the emulator never silently skips
+an instruction it does not know."""
 
 from __future__ import annotations
 
@@ -102,6 +104,17 @@ def run(asm: str, inputs: list[np.ndarray], n_out: int) -> list[np.ndarray]:
         elif op == "fma.rn.f16x2":
             (alo, ahi), (blo, bhi), (clo, chi) = (_halves(val(a)) for a in args[1:4])
             regs[args[0]] = _pack(alo * blo + clo, ahi * bhi + chi)
+        elif op == "dp4a.u32.s32":
+            a, b, c = (val(x).astype(np.int64) for x in args[1:4])
+            total = c.copy()
+            for i in range(4):
+                ua = (a >> (8 * i)) & 255
+                sb = ((b >> (8 * i)) & 255) ^ 128                      # signed byte: (u ^ 128) - 128
+                total = total + ua * (sb - 128)
+            regs[args[0]] = (total & 0xFFFFFFFF).astype(_U32)
+        elif op == "cvt.rni.s32.f32":
+            f = val(args[1]).astype(_U32).view(np.float32)
+            regs[args[0]] = (np.asarray(np.rint(f)).astype(np.int64) & 0xFFFFFFFF).astype(_U32)
         else:
             raise ValueError(f"instruction {op!r} is not emulated")
     return [regs[f"${i}"] for i in range(n_out)]

@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from jllm.cuda.codes import ASM, warps
+from jllm.cuda.codes import ASM
 from jllm.cuda.q4_k import Q4KWeight
 from jllm.cuda.q6_k import Q6KWeight
 from jllm.cuda.rows import rows_a_program, store_rows
@@ -56,13 +56,18 @@ MAGIC = 0x4B400000          # the float 1.5 * 2^23: + an integer below 2^22 in m
 _MAGIC: tl.constexpr = tl.constexpr(MAGIC)
 ROWS = 16                   # rows a pass at most (a verify pass of k + 1)
 
-# dp4a.u32.s32 d, a, b, c: d = c + the sum of a's four unsigned bytes times b's four signed bytes.
-# Operands as Triton numbers them: the output, then the inputs.
+# dp4a.u32.s32 d, a, b, c: d = c + the sum of a's four unsigned bytes times b's four signed bytes (int32,
+# wrapping). Operands as Triton numbers them: the output, then the inputs (tests/test_cuda_dp4a.py runs these
+# through tests/ptx_subset.py's emulator).
+DP4A = "{ dp4a.u32.s32 $0, $1, $2, $3; }"
+ROUND = "{ cvt.rni.s32.f32 $0, $1; }"              # to the nearest integer, ties to even
 DOT8 = ("{ dp4a.u32.s32 $0, $1, $9, $17; dp4a.u32.s32 $0, $2, $10, $0; dp4a.u32.s32 $0, $3, $11, $0;"
         " dp4a.u32.s32 $0, $4, $12, $0; dp4a.u32.s32 $0, $5, $13, $0; dp4a.u32.s32 $0, $6, $14, $0;"
         " dp4a.u32.s32 $0, $7, $15, $0; dp4a.u32.s32 $0, $8, $16, $0; }")
 DOT4 = ("{ dp4a.u32.s32 $0, $1, $5, $9; dp4a.u32.s32 $0, $2, $6, $0; dp4a.u32.s32 $0, $3, $7, $0;"
         " dp4a.u32.s32 $0, $4, $8, $0; }")
+_DP4A: tl.constexpr = tl.constexpr(DP4A)
+_ROUND: tl.constexpr = tl.constexpr(ROUND)
 _DOT8: tl.constexpr = tl.constexpr(DOT8)
 _DOT4: tl.constexpr = tl.constexpr(DOT4)
 
@@ -87,8 +92,7 @@ def handles(x: torch.Tensor, w) -> bool:
 def dp4a(a, b, c, USE_ASM: tl.constexpr):
     """c + a's four unsigned bytes times b's four signed bytes, int32 (the interpreter's way without PTX)."""
     if USE_ASM:
-        return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
-                                         is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(_DP4A, "=r,r,r,r", [a, b, c], dtype=tl.int32, is_pure=True, pack=1)
     else:
         return (c + (a & 255) * ((b << 24) >> 24) + ((a >> 8) & 255) * ((b << 16) >> 24)
                 + ((a >> 16) & 255) * ((b << 8) >> 24) + ((a >> 24) & 255) * (b >> 24))
@@ -126,11 +130,15 @@ def _dot4(a0, a1, a2, a3, b0, b1, b2, b3, c, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _times(c, s, nsm):
+def _times(c, s, nsm, USE_ASM: tl.constexpr):
     """A chain's result c (MAGIC + an integer i below 2^22 in magnitude) times s, given nsm = -(s * 1.5 * 2^23)
-    (exact where s has at most 21 significant bits: d * scale): one fma, round(s * (1.5 * 2^23 + i) - s * 1.5 *
-    2^23) = round(s * i), the same float as subtracting 1.5 * 2^23 first and multiplying, in one instruction."""
-    return tl.fma(s, c.to(tl.float32, bitcast=True), nsm)
+    (exact where s has at most 21 significant bits: d * scale): on the GPU one fma, round(s * (1.5 * 2^23 + i)
+    - s * 1.5 * 2^23) = round(s * i); in the interpreter (whose fma may round twice, Triton 3.6's) the same
+    float as (c as a float - 1.5 * 2^23, exact) * s."""
+    if USE_ASM:
+        return tl.fma(s, c.to(tl.float32, bitcast=True), nsm)
+    else:
+        return (c.to(tl.float32, bitcast=True) - 12582912.0) * s
 
 
 @triton.jit
@@ -175,8 +183,7 @@ def _round(v, USE_ASM: tl.constexpr):
     """float32 (|v| < 2^22) -> the nearest integer, ties to even, int32: cvt.rni; in the interpreter the sum
     with 1.5 * 2^23 (which rounds there, unfused, exactly so)."""
     if USE_ASM:
-        return tl.inline_asm_elementwise("cvt.rni.s32.f32 $0, $1;", "=r,r", [v], dtype=tl.int32, is_pure=True,
-                                         pack=1)
+        return tl.inline_asm_elementwise(_ROUND, "=r,r", [v], dtype=tl.int32, is_pure=True, pack=1)
     else:
         return (v + 12582912.0).to(tl.int32, bitcast=True) - _MAGIC
 
@@ -214,7 +221,7 @@ def prep_block(x_ptr, r, kb, K, xq4_ptr, s4_ptr, xq6_ptr, s6_ptr, Q4: tl.constex
     f = tl.reshape(tl.arange(0, 256), (8, 32))                         # [block of 32, byte]
     amax = tl.max(tl.abs(tl.load(row + f).to(tl.float32)), axis=1)      # [8]
     dx = tl.math.div_rn(amax, tl.full((8,), 127.0, tl.float32))
-    inv = tl.where(amax > 0, tl.math.div_rn(tl.full((8,), 127.0, tl.float32), amax), 0.0)
+    inv = tl.where(amax > 0, tl.math.div_rn(tl.full((8,), 127.0, tl.float32), tl.where(amax > 0, amax, 1.0)), 0.0)
     i = r * (K // 32) + kb * 8 + tl.arange(0, 8)                        # [8] the blocks' index
     if Q4:
         q = _codes(row, _q4_pos(f), inv, USE_ASM)
@@ -297,7 +304,7 @@ def _q4_k_row(acc, xq, s4, ok, l0, l1, l2, l3, h0, h1, h2, h3, dsc, ndscm, ndmm,
     c = _dot8(l0, l1, l2, l3, h0, h1, h2, h3, x0[None, :], x1[None, :], x2[None, :], x3[None, :], x4[None, :],
               x5[None, :], x6[None, :], x7[None, :], _MAGIC, USE_ASM)
     dx, bsx = tl.split(tl.load(s4[:, None] + (2 * J + tl.arange(0, 2))[None, :], mask=ok[:, None], other=0.0))
-    acc = tl.fma(_times(c, dsc, ndscm), dx[None, :], acc)
+    acc = tl.fma(_times(c, dsc, ndscm, USE_ASM), dx[None, :], acc)
     return tl.fma(ndmm, bsx[None, :], acc)
 
 
@@ -405,7 +412,7 @@ def _q6_k_row(acc, xq, s6, ok, a0, a1, a2, a3, b0, b1, b2, b3, dsc0, ndsc0m, dsc
     c0, _ = tl.split(odd)
     s0 = _dot4(a0, a1, a2, a3, x0[None, :], x1[None, :], x2[None, :], x3[None, :], c0[None, :], USE_ASM)
     s1 = _dot4(b0, b1, b2, b3, x4[None, :], x5[None, :], x6[None, :], x7[None, :], c1[None, :], USE_ASM)
-    v = _times(s0, dsc0, ndsc0m) + _times(s1, dsc1, ndsc1m)
+    v = _times(s0, dsc0, ndsc0m, USE_ASM) + _times(s1, dsc1, ndsc1m, USE_ASM)
     return tl.fma(v, dx.to(tl.float32, bitcast=True)[None, :], acc)
 
 
@@ -494,13 +501,36 @@ def _q6_k_dp4a(xq_ptr, s6_ptr, ql_ptr, qh_ptr, sc_ptr, d_ptr, b_ptr, y_ptr, M, N
                y_ptr + part * P_STRIDE + rows, live, m0, M, Y_STRIDE, ROWS, HAS_BIAS, b_ptr + rows, False)
 
 
-def launch(x: torch.Tensor, w, y: torch.Tensor, block_n: int, bias: torch.Tensor | None = None, sb: int = 1,
+def warps(block_n: int, sb: int) -> int:
+    """Warps a program: a thread an output's super-block, up to 4 warps; more outputs than that, and a thread
+    takes several (sharing each row's x loads)."""
+    return max(1, min(4, block_n * sb // 32))
+
+
+def setting(w) -> tuple[int, int, int]:
+    """(outputs a program, super-blocks a step, shares of a row) for a matrix, by its shape alone (never the row
+    count: every call sums a row the same way). 64 outputs x 2 super-blocks: a warp's 32 threads read 64
+    different 144-byte super-blocks... A guess until swept on the GPU: rows long enough are cut into shares
+    of about 4 steps, so that a matrix of few outputs still gives the chip programs (added in a fixed order by
+    jllm.cuda.matvec)."""
+    n, k = w.shape
+    nb = k // 256
+    programs = triton.cdiv(n, 64)
+    split = 1 if programs >= 132 else max(1, min(nb // 8, triton.cdiv(132, programs)))
+    return 64, 2, split
+
+
+def launch(x: torch.Tensor, w, y: torch.Tensor, block_n: int, bias: torch.Tensor | None = None, sb: int = 2,
            split: int = 1, stages: int = 1, prep: Prepared | None = None) -> None:
     """y [M, N] (rows y.stride(-2) apart: a column range of a wider output) = x W^T (+ bias); with split > 1,
     y [split, M, N] holds each share of the super-blocks' partial sums (jllm.cuda.matvec adds them). prep: x
-    already prepared for w's type (else prepared here)."""
+    already prepared for w's type (else prepared here). block_n and sb powers of two, block_n * sb >= 32 (a
+    thread an output's super-block at least: a tile smaller than its threads is held twice over, which gave the
+    float kernels wrong sums on the H200)."""
     n, k = w.shape
     nb = w.d.shape[1]
+    if block_n * sb < 32 or block_n & (block_n - 1) or sb & (sb - 1):
+        raise ValueError(f"block_n {block_n} x sb {sb}: powers of two, at least 32 super-blocks a step")
     part = -(-nb // split)
     q4 = isinstance(w, Q4KWeight)
     if prep is None or (prep.q4 if q4 else prep.q6) is None:
