@@ -24,8 +24,9 @@
 # cost in steps; the rounds' accepted count says how far from all wrong).
 # spec runs once per ROUNDS value too.
 # ROWS="8 1": bench and spec once per JLLM_MATVEC_ROWS value (rows of x a matvec program; 1: a program a row).
-# MMA="0 1": tests, profile, bench and spec once per JLLM_MATVEC_MMA value (1: the tensor-core kernels,
-# jllm.cuda.mma; q4_k: Q4_K's only, Q6_K's on the CUDA cores). The next lease after session 28, in this order:
+# MMA="0 1 dp4a": tests, profile, bench and spec once per kernel choice (`kern` below: 1 the tensor-core
+# kernels, jllm.cuda.mma; q4_k: Q4_K's only, Q6_K's on the float kernels; dp4a: int8 x and dp4a,
+# jllm.cuda.dp4a, dp4a:q4_k for Q4_K's only). The next lease after session 28, in this order:
 #   MMA=0 bash benchmarks/cuda_lease.sh bench profile          (first: session 28's decode, 466 chained under 3.9,
 #                                                               against 571 in session 24 under 3.6: which costs it)
 #   MMA="q4_k" bash benchmarks/cuda_lease.sh tests bench      (the image's Triton 3.6: exactness, then decode and
@@ -35,6 +36,7 @@
 #   then the real model and head: MODEL=... HEAD=... MMA="q4_k 1" ROUNDS="0 3" ... spec
 # mma: the matvec sweep of the tensor-core kernels (outputs a program, shares of a row) at 1, 4 and 16 rows,
 # beside the CUDA-core kernels at their settings.
+# dp4a: the same sweep of the dp4a kernels (int8 x, jllm.cuda.dp4a) at 1, 4 and 8 rows.
 # build: only start llama.cpp's build (from the first call, so that it is done when `llamacpp` runs).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -64,6 +66,10 @@ TAG=${TAG:-s15}
 ROWS=${ROWS:-8}
 MMA=${MMA:-0}
 ROUNDS=${ROUNDS:-0}
+# a kernel choice, one of MMA's values -> its settings: 0 (the float kernels), 1 / q4_k / q6_k (the tensor cores
+# for those block types), dp4a / dp4a:q4_k / dp4a:q6_k (int8 x and dp4a, jllm.cuda.dp4a)
+kern() { case $1 in dp4a) echo JLLM_MATVEC_MMA=0 JLLM_MATVEC_DP4A=1;; dp4a:*) echo JLLM_MATVEC_MMA=0 JLLM_MATVEC_DP4A=${1#dp4a:};;
+  *) echo JLLM_MATVEC_MMA=$1 JLLM_MATVEC_DP4A=0;; esac; }
 [ -n "${MODEL:-}" ] || [ -f $S15 ] || python3 benchmarks/synthetic_gguf.py $S15 --shape qwen2.5-1.5b --dtype q4_k_m
 LB=/tmp/lcpp/build/bin/llama-bench
 if { want llamacpp || want build; } && [ ! -x $LB ] && [ ! -f /tmp/lcpp/started ] && [ -f .xfer/lcpp.tar.xz ]; then
@@ -75,9 +81,9 @@ if { want llamacpp || want build; } && [ ! -x $LB ] && [ ! -f /tmp/lcpp/started 
 fi
 if [ -z "$ARGS" ] || want tests; then
   for t in $MMA; do
-    JLLM_MATVEC_MMA=$t python3 -m pytest -q --tb=line tests/test_cuda.py tests/test_cuda_matvec.py \
-      tests/test_cuda_attention.py tests/test_cuda_fused.py tests/test_cuda_head.py tests/test_cuda_ptx.py tests/test_cuda_rounds.py 2>&1 \
-      | tee "$OUT/tests_mma$t.log" | tail -25
+    env $(kern $t) python3 -m pytest -q --tb=line tests/test_cuda.py tests/test_cuda_matvec.py \
+      tests/test_cuda_attention.py tests/test_cuda_fused.py tests/test_cuda_head.py tests/test_cuda_ptx.py tests/test_cuda_rounds.py tests/test_cuda_dp4a.py 2>&1 \
+      | tee "$OUT/tests_mma${t/:/-}.log" | tail -25
   done
 fi
 if [ -z "$ARGS" ] || want matvec; then
@@ -90,17 +96,21 @@ if want mma; then
   python3 benchmarks/cuda_matvec.py --rows 1 4 16 --block-n 8 16 --sb 1 2 --split 1 5 --reps 50 2>&1 \
     | tee "$OUT/matvec_cores.log"
 fi
+if want dp4a; then                    # the dp4a kernels' sweep (jllm.cuda.dp4a) at decode's and verify's rows
+  JLLM_MATVEC_MMA=0 JLLM_MATVEC_DP4A=1 python3 benchmarks/cuda_matvec.py --rows 1 4 8 --block-n 8 16 32 64 --sb 1 2 \
+    --split 1 5 7 --reps 50 --all 2>&1 | tee "$OUT/matvec_dp4a.log"
+fi
 RUN="python3 benchmarks/cuda_tuned.py $OUT/best.json"
 [ -f "$OUT/best.json" ] || RUN="python3 benchmarks/cuda_tuned.py /dev/null"
 if [ -z "$ARGS" ] || want profile; then
   for t in $MMA; do
-    JLLM_MATVEC_MMA=$t $RUN --script benchmarks/cuda_profile.py $S15 --rows 1 4 2>&1 | tee "$OUT/profile_mma$t.log"
+    env $(kern $t) $RUN --script benchmarks/cuda_profile.py $S15 --rows 1 4 2>&1 | tee "$OUT/profile_mma${t/:/-}.log"
   done
 fi
 if [ -z "$ARGS" ] || want bench; then
   for t in $MMA; do for r in $ROWS; do
-    JLLM_MATVEC_MMA=$t JLLM_MATVEC_ROWS=$r $RUN bench -m $S15 --device cuda --precision blocks \
-      --json "$OUT/bench_${TAG}_r${r}_mma$t.json" 2>&1 | tee "$OUT/bench_${TAG}_r${r}_mma$t.log"
+    env $(kern $t) JLLM_MATVEC_ROWS=$r $RUN bench -m $S15 --device cuda --precision blocks \
+      --json "$OUT/bench_${TAG}_r${r}_mma${t/:/-}.json" 2>&1 | tee "$OUT/bench_${TAG}_r${r}_mma${t/:/-}.log"
   done; done
 fi
 if want spec || want serve || want loop; then
@@ -108,9 +118,9 @@ if want spec || want serve || want loop; then
 fi
 if want spec; then
   for t in $MMA; do for r in $ROWS; do for q in $ROUNDS; do
-    JLLM_MATVEC_MMA=$t JLLM_MATVEC_ROWS=$r JLLM_CUDA_ROUNDS=$q python3 -m jllm bench --spec -m $S15 -md "$HEAD" \
-      --device cuda --precision blocks -n 128 --json "$OUT/spec_${TAG}_r${r}_mma${t}_k$q.json" 2>&1 \
-      | tee "$OUT/spec_${TAG}_r${r}_mma${t}_k$q.log" | tail -16
+    env $(kern $t) JLLM_MATVEC_ROWS=$r JLLM_CUDA_ROUNDS=$q python3 -m jllm bench --spec -m $S15 -md "$HEAD" \
+      --device cuda --precision blocks -n 128 --json "$OUT/spec_${TAG}_r${r}_mma${t/:/-}_k$q.json" 2>&1 \
+      | tee "$OUT/spec_${TAG}_r${r}_mma${t/:/-}_k$q.log" | tail -16
   done; done; done
 fi
 if want rounds; then                  # a round's cost: a random head unless HEAD is given
@@ -118,9 +128,9 @@ if want rounds; then                  # a round's cost: a random head unless HEA
   [ -f "$H" ] || python3 benchmarks/synthetic_head.py $S15 "$H" || exit 1
   for t in $MMA; do for q in $ROUNDS; do     # the rounds alone (no gate), then as the engine runs them
     for g in 0 1; do
-      JLLM_MATVEC_MMA=$t JLLM_CUDA_ROUNDS=$q JLLM_CUDA_ROUND_GATE=$g python3 -m jllm bench --spec -m $S15 \
-        -md "$H" --device cuda --precision blocks -n 64 --json "$OUT/rounds_${TAG}_mma${t}_k${q}_g$g.json" 2>&1 \
-        | tee "$OUT/rounds_${TAG}_mma${t}_k${q}_g$g.log" | tail -4
+      env $(kern $t) JLLM_CUDA_ROUNDS=$q JLLM_CUDA_ROUND_GATE=$g python3 -m jllm bench --spec -m $S15 \
+        -md "$H" --device cuda --precision blocks -n 64 --json "$OUT/rounds_${TAG}_mma${t/:/-}_k${q}_g$g.json" 2>&1 \
+        | tee "$OUT/rounds_${TAG}_mma${t/:/-}_k${q}_g$g.log" | tail -4
       [ "$q" = 0 ] && break
     done
   done; done

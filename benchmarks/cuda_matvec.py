@@ -8,6 +8,7 @@ setting that sums wrong is printed WRONG and never chosen as a shape's best.
     TRITON_INTERPRET=1 python benchmarks/cuda_matvec.py --tiny    # the CPU: that it runs, no figures worth reading
     JLLM_MATVEC_MMA=1 python benchmarks/cuda_matvec.py --rows 1 4 16 --block-n 32 64 128 --sb 1 --split 1 3 6 \
         --short-split --all                                       # the tensor cores' kernels (jllm.cuda.mma)
+    JLLM_MATVEC_DP4A=1 python benchmarks/cuda_matvec.py --rows 1 4 8 16 --all     # int8 x and dp4a (jllm.cuda.dp4a)
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
+from jllm.cuda import dp4a
 from jllm.cuda.linear import device_weight
 from jllm.cuda.matvec import matvec
 from jllm.gguf.quants import dequantize
@@ -57,11 +59,12 @@ def timed(fn, reps: int) -> float:
     return (time.perf_counter() - t) / (max(1, reps // 20) * 20)
 
 
-def wrong(got: torch.Tensor, want: torch.Tensor) -> str | None:
-    """Why a product is wrong (a relative error past float32 accumulation, or a row of zeros), else None."""
+def wrong(got: torch.Tensor, want: torch.Tensor, tol: float = 1e-4) -> str | None:
+    """Why a product is wrong (a relative error past float32 accumulation, or past int8 x's for the dp4a
+    kernels: tol; or a row of zeros), else None."""
     scale = want.abs().max().item() or 1.0
     err = (got - want).abs().max().item() / scale
-    if not err < 1e-4:                                   # also catches NaN
+    if not err < tol:                                    # also catches NaN
         return f"max error {err:.2e} of the largest output"
     return None
 
@@ -106,7 +109,8 @@ def main() -> None:
             splits = a.split if kind in (T.Q4_K, T.Q6_K) and (k >= 4096 or a.short_split) else [1]   # long rows
             stages = a.stages if kind in (T.Q4_K, T.Q6_K) else [1]
             for bn, sb, sp, st in itertools.product(a.block_n, sbs, splits, stages):
-                err = wrong(matvec(x, w, block_n=bn, sb=sb, split=sp, stages=st), want)
+                err = wrong(matvec(x, w, block_n=bn, sb=sb, split=sp, stages=st), want,
+                            3e-2 if dp4a.handles(x, w) else 1e-4)
                 if err is not None:
                     print(f"{name:<22} {n:>6} x {k:<5} {m:>4} {bn:>7} {sb:>3} {sp:>5} {st:>6} WRONG ({err})")
                     continue

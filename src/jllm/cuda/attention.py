@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from jllm.cuda.layout import QUERIES, chunk_size, n_chunks
-from jllm.cuda.mma import _prep_block
+from jllm.cuda.ready import prep_block
 
 TILED = False     # the tiles' path for prefill: tested in the interpreter, not yet timed on a GPU
 BLOCK_M, BLOCK_N = 32, 32
@@ -102,10 +102,11 @@ def _attention_combine(part_ptr, ml_ptr, o_ptr, pos_ptr, window, H, NCH, HD: tl.
 
 @triton.jit
 def _attention_combine_prep(part_ptr, ml_ptr, o_ptr, pos_ptr, window, H, NCH, xh4, xl4, sh, sl, xh6, xl6, inv,
-                            HD: tl.constexpr, NCH_P2: tl.constexpr, CHUNK: tl.constexpr, Q4: tl.constexpr,
-                            Q6: tl.constexpr):
+                            xq4, s4, xq6, s6, HD: tl.constexpr, NCH_P2: tl.constexpr, CHUNK: tl.constexpr,
+                            Q4: tl.constexpr, Q6: tl.constexpr, I4: tl.constexpr, I6: tl.constexpr,
+                            USE_ASM: tl.constexpr):
     """(query t, super-block kb of its output: 256 / HD heads): each head merged as _attention_combine merges
-    it, then the super-block made ready for the tensor cores' products over it (jllm.cuda.mma)."""
+    it, then the super-block made ready for the products over it (jllm.cuda.ready)."""
     t = tl.program_id(0)
     kb = tl.program_id(1)
     p = tl.load(pos_ptr + t).to(tl.int32)
@@ -114,7 +115,7 @@ def _attention_combine_prep(part_ptr, ml_ptr, o_ptr, pos_ptr, window, H, NCH, xh
         out = _combine_head(part_ptr, ml_ptr, t, h, p, window, H, NCH, HD, NCH_P2, CHUNK)
         tl.store(o_ptr + (t * H + h) * HD + tl.arange(0, HD), out)
     tl.debug_barrier()                   # this program's stores, seen by all its threads
-    _prep_block(o_ptr, t, kb, H * HD, H * HD // 256, xh4, xl4, sh, sl, xh6, xl6, inv, Q4, Q6)
+    prep_block(o_ptr, t, kb, H * HD, xh4, xl4, sh, sl, xh6, xl6, inv, xq4, s4, xq6, s6, Q4, Q6, I4, I6, USE_ASM)
 
 
 @triton.jit
@@ -161,7 +162,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int | torc
     """q [T, H, hd]; pos: the queries' positions, int64 [T] on q's device (graph-safe: the caller checks them
     against the cache), or an int `start` for start..start+T-1 (checked here); k, v the layer's cache
     [Hk, max, hd] (keys up to each query's position written) -> [T, H * hd] float32. hd: a power of two.
-    prep (jllm.cuda.mma.empty, up to QUERIES queries, hd <= 256): filled from the output as it is merged."""
+    prep (jllm.cuda.ready.empty, up to QUERIES queries, hd <= 256): filled from the output as it is merged."""
     T, H, hd = q.shape
     hk, max_t, _ = k.shape
     if hd & (hd - 1) or H % hk:
@@ -173,7 +174,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int | torc
     out = torch.empty(T, H, hd, dtype=torch.float32, device=q.device)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     if prep is not None and (T > QUERIES or hd > 256 or H * hd % 256):
-        raise ValueError(f"attention prepares x for the tensor cores for up to {QUERIES} queries of whole "
+        raise ValueError(f"attention prepares x for the products over it for up to {QUERIES} queries of whole "
                          f"super-blocks of heads, not {T} of {H} x {hd}")
     if T > QUERIES and TILED and hd >= 16:   # a prefill's chunk: tiles of queries (tl.dot: 16 at least)
         _attention_tiled[(triton.cdiv(T, BLOCK_M), H)](q, k, v, out, pos, T, window, scale, H, H // hk, max_t,
@@ -193,7 +194,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int | torc
         if prep is None:
             _attention_combine[(n, H)](part, ml, out[s:], pos[s:], window, H, nch, **combine)
         else:                                # s is 0: one round of at most QUERIES queries
-            ptrs, q4, q6 = prep.pointers()
+            ptrs, flags = prep.pointers(out)
             _attention_combine_prep[(n, H * hd // 256)](part, ml, out, pos, window, H, nch, *ptrs, **combine,
-                                                         Q4=q4, Q6=q6)
+                                                         **flags)
     return out.view(T, H * hd)

@@ -8,8 +8,9 @@ so a row's result never depends on the other rows of its call, as everywhere in 
     rope_store(qk, v, pos, cos, sin, ...)  RoPE on q and k, k and v written into the cache at pos: q out
     glu(gu, gelu)                          silu(gate) * up (or GELU's tanh form): half the columns out
 
-The norms and the GLU also make their output ready for the tensor cores' products over it when given `prep`
-(jllm.cuda.mma.empty: its scales and f16 halves in the codes' order), so that no launch of its own does it.
+The norms and the GLU also make their output ready for the products over it when given `prep`
+(jllm.cuda.ready.empty: the tensor cores' f16 halves, the dp4a kernels' int8 codes), so that no launch of its
+own does it.
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ import torch
 import triton
 import triton.language as tl
 
-from jllm.cuda.mma import Prepared, _prep_block
+from jllm.cuda.ready import Ready, none_ready, prep_block
 
 
 @triton.jit
-def _rms_norm(x_ptr, a_ptr, w_ptr, xo_ptr, h_ptr, D, eps, xh4, xl4, sh, sl, xh6, xl6, inv, HAS_ADD: tl.constexpr,
-              BLOCK: tl.constexpr, Q4: tl.constexpr, Q6: tl.constexpr):
+def _rms_norm(x_ptr, a_ptr, w_ptr, xo_ptr, h_ptr, D, eps, xh4, xl4, sh, sl, xh6, xl6, inv, xq4, s4, xq6, s6,
+              HAS_ADD: tl.constexpr, BLOCK: tl.constexpr, Q4: tl.constexpr, Q6: tl.constexpr, I4: tl.constexpr,
+              I6: tl.constexpr, USE_ASM: tl.constexpr):
     r = tl.program_id(0)
     i = tl.arange(0, BLOCK)
     live = i < D
@@ -34,28 +36,28 @@ def _rms_norm(x_ptr, a_ptr, w_ptr, xo_ptr, h_ptr, D, eps, xh4, xl4, sh, sl, xh6,
     ms = tl.sum(x * x, axis=0) / D
     w = tl.load(w_ptr + i, mask=live, other=0.0)
     tl.store(h_ptr + r * D + i, x * tl.rsqrt(ms + eps) * w, mask=live)
-    if Q4 or Q6:                         # the row again, as stored, for the tensor cores (jllm.cuda.mma)
+    if Q4 or Q6 or I4 or I6:             # the row again, as stored, for the products over it (jllm.cuda.ready)
         tl.debug_barrier()               # this program's stores, seen by all its threads
         for kb in range(D // 256):
-            _prep_block(h_ptr, r, kb, D, D // 256, xh4, xl4, sh, sl, xh6, xl6, inv, Q4, Q6)
+            prep_block(h_ptr, r, kb, D, xh4, xl4, sh, sl, xh6, xl6, inv, xq4, s4, xq6, s6, Q4, Q6, I4, I6, USE_ASM)
 
 
-def _norm(x: torch.Tensor, a: torch.Tensor | None, w: torch.Tensor, eps: float, prep: Prepared | None):
+def _norm(x: torch.Tensor, a: torch.Tensor | None, w: torch.Tensor, eps: float, prep: Ready | None):
     x = x.contiguous()
     xo, h = (x if a is None else torch.empty_like(x)), torch.empty_like(x)
-    ptrs, q4, q6 = prep.pointers() if prep is not None else ((h,) * 7, False, False)
+    ptrs, flags = prep.pointers(h) if prep is not None else none_ready(h)
     _rms_norm[(x.shape[0],)](x, x if a is None else a.contiguous(), w, xo, h, x.shape[1], eps, *ptrs,
-                             HAS_ADD=a is not None, BLOCK=triton.next_power_of_2(x.shape[1]), Q4=q4, Q6=q6)
+                             HAS_ADD=a is not None, BLOCK=triton.next_power_of_2(x.shape[1]), **flags)
     return xo, h
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, prep: Prepared | None = None) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, prep: Ready | None = None) -> torch.Tensor:
     """x [T, D] float32 -> x / rms(x) * w (and `prep` filled from it)."""
     return _norm(x, None, w, eps, prep)[1]
 
 
 def add_rms_norm(x: torch.Tensor, a: torch.Tensor, w: torch.Tensor, eps: float,
-                 prep: Prepared | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 prep: Ready | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x, a [T, D] float32 -> (x + a, rms_norm(x + a) * w) (and `prep` filled from the norm)."""
     return _norm(x, a, w, eps, prep)
 
@@ -111,8 +113,9 @@ def rope_store(qk: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, cos: torch.
 
 
 @triton.jit
-def _glu(gu_ptr, o_ptr, F, xh4, xl4, sh, sl, xh6, xl6, inv, GELU: tl.constexpr, BLOCK: tl.constexpr,
-         Q4: tl.constexpr, Q6: tl.constexpr):
+def _glu(gu_ptr, o_ptr, F, xh4, xl4, sh, sl, xh6, xl6, inv, xq4, s4, xq6, s6, GELU: tl.constexpr,
+         BLOCK: tl.constexpr, Q4: tl.constexpr, Q6: tl.constexpr, I4: tl.constexpr, I6: tl.constexpr,
+         USE_ASM: tl.constexpr):
     r = tl.program_id(0)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     live = i < F
@@ -124,14 +127,14 @@ def _glu(gu_ptr, o_ptr, F, xh4, xl4, sh, sl, xh6, xl6, inv, GELU: tl.constexpr, 
     else:
         act = g / (1.0 + tl.exp(-g))
     tl.store(o_ptr + r * F + i, act * u, mask=live)
-    if Q4 or Q6:                         # this program's super-blocks again, for the tensor cores
+    if Q4 or Q6 or I4 or I6:             # this program's super-blocks again, for the products over them
         tl.debug_barrier()
         first = tl.program_id(1) * (BLOCK // 256)
         for kb in range(first, tl.minimum(F // 256, first + BLOCK // 256)):
-            _prep_block(o_ptr, r, kb, F, F // 256, xh4, xl4, sh, sl, xh6, xl6, inv, Q4, Q6)
+            prep_block(o_ptr, r, kb, F, xh4, xl4, sh, sl, xh6, xl6, inv, xq4, s4, xq6, s6, Q4, Q6, I4, I6, USE_ASM)
 
 
-def glu(gu: torch.Tensor, gelu: bool, block: int = 1024, prep: Prepared | None = None) -> torch.Tensor:
+def glu(gu: torch.Tensor, gelu: bool, block: int = 1024, prep: Ready | None = None) -> torch.Tensor:
     """gu [T, 2F] (gate | up) float32 -> act(gate) * up [T, F] (and `prep` filled from it; block a multiple of
     256 then)."""
     gu = gu.contiguous()
@@ -139,6 +142,6 @@ def glu(gu: torch.Tensor, gelu: bool, block: int = 1024, prep: Prepared | None =
     if prep is not None and block % 256:
         raise ValueError(f"glu's block {block} must be a multiple of 256 to fill prep (a program a super-block)")
     out = torch.empty(T, f, dtype=torch.float32, device=gu.device)
-    ptrs, q4, q6 = prep.pointers() if prep is not None else ((out,) * 7, False, False)
-    _glu[(T, triton.cdiv(f, block))](gu, out, f, *ptrs, GELU=gelu, BLOCK=block, Q4=q4, Q6=q6)
+    ptrs, flags = prep.pointers(out) if prep is not None else none_ready(out)
+    _glu[(T, triton.cdiv(f, block))](gu, out, f, *ptrs, GELU=gelu, BLOCK=block, **flags)
     return out

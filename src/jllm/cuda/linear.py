@@ -73,17 +73,16 @@ class BlocksLinear:
         self.out_features = sum(s[0] for s in shapes)
 
     def __call__(self, x: torch.Tensor, prep=None) -> torch.Tensor:
-        """prep: x already made ready for this layer's tensor-core parts (by a producer given empty_prep()'s room),
-        else made here when they run (jllm.cuda.mma)."""
-        from jllm.cuda import mma
+        """prep: x already made ready for this layer's parts that take it (by a producer given empty_prep()'s
+        room), else made here when they run (jllm.cuda.ready: the tensor cores' and the dp4a kernels' parts)."""
+        from jllm.cuda import ready
         from jllm.cuda.matvec import matvec
 
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).float().contiguous()
         y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32, device=x.device)
         if prep is None:
-            cores = self._cores(x2)
-            prep = mma.prepare(x2, cores) if cores else None        # one x for all of them (q|k|v: both types)
+            prep = ready.prepare(x2, self._matvec_parts(x2))   # one x for all of them (q|k|v: both types)
         at = 0
         for p in self.parts:                   # each part writes its columns of y, adding its part of the bias
             n = p.shape[0]
@@ -98,18 +97,15 @@ class BlocksLinear:
         return y.reshape(*lead, self.out_features)
 
     def empty_prep(self, x: torch.Tensor):
-        """Room for x [T, in_features] made ready for this layer's tensor-core parts (jllm.cuda.mma.empty), for
-        the kernel that writes x to fill (jllm.cuda.fused); None where none of its parts runs there."""
-        from jllm.cuda import mma
+        """Room for x [T, in_features] made ready for this layer's parts that take it (jllm.cuda.ready.empty),
+        for the kernel that writes x to fill (jllm.cuda.fused); None where none of its parts does."""
+        from jllm.cuda import ready
 
-        cores = self._cores(x)
-        return mma.empty(x.shape[0], self.in_features, *mma.kinds(cores), x.device) if cores else None
+        return ready.empty(x, self.in_features, self._matvec_parts(x))
 
-    def _cores(self, x: torch.Tensor) -> list:
-        """The parts whose products over x run on the tensor cores (jllm.cuda.mma.handles)."""
-        from jllm.cuda import mma
-
-        return [p for p in self.parts if mma.handles(x, p)]
+    def _matvec_parts(self, x: torch.Tensor) -> list:
+        """The block parts whose products over x run on the matvec kernels (a prefill's chunk runs none)."""
+        return [] if x.shape[0] > MATVEC_ROWS else [p for p in self.parts if not isinstance(p, torch.Tensor)]
 
     def nbytes(self) -> int:
         return sum(p.numel() * p.element_size() if isinstance(p, torch.Tensor) else p.nbytes() for p in self.parts)

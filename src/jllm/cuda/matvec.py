@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from jllm.cuda import blocks32, mma, q4_k, q6_k
+from jllm.cuda import blocks32, dp4a, mma, q4_k, q6_k
 
 _KERNELS = {q4_k.Q4KWeight: q4_k.launch, q6_k.Q6KWeight: q6_k.launch, blocks32.Blocks32Weight: blocks32.launch}
 _SPLITS = (q4_k.Q4KWeight, q6_k.Q6KWeight)           # the kernels that take a share of a row
@@ -55,18 +55,24 @@ def matvec(x: torch.Tensor, w, block_n: int | None = None, out: torch.Tensor | N
            stages: int | None = None, prep=None) -> torch.Tensor:
     """x [M, K] (float32 or bfloat16) -> y = x W^T (+ bias) [M, N] float32, written into `out` when given (a
     column range of a wider output: its rows may be further apart). block_n, sb, split, stages: the kernel's
-    setting, by default setting(w) (benchmarks try others). prep: x as jllm.cuda.mma.prepare made it, for the
-    tensor cores' kernels (made here if needed and not given)."""
+    setting, by default setting(w) (benchmarks try others). prep: x as jllm.cuda.ready made it, for the
+    tensor cores' and the dp4a kernels (made here if needed and not given)."""
     launch = _KERNELS.get(type(w))
     if launch is None:
         raise TypeError(f"no GPU kernel for {type(w).__name__}")
     n, k = w.shape
     default = setting(w)
     tensor_cores = mma.handles(x, w)          # the tensor cores' kernels (JLLM_MATVEC_MMA=1), their own setting
+    ints = dp4a.handles(x, w)                 # the dp4a kernels (JLLM_MATVEC_DP4A=1), theirs
+    own = None                                # x made ready for them, if given
     if tensor_cores:
         bn, sp = mma.setting(w)
         launch, default = mma.launch, (bn, 1, sp, 1)
         block_n = max(16, block_n or default[0])                         # 16: tl.dot's least
+        own = prep.mma if prep is not None else None
+    elif ints:
+        launch, default = dp4a.launch, (*dp4a.setting(w), 1)
+        own = prep.dp4a if prep is not None else None
     block_n, sb, split, stages = block_n or default[0], sb or default[1], split or default[2], stages or default[3]
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"x must be [M, {k}], is {list(x.shape)}")
@@ -77,7 +83,7 @@ def matvec(x: torch.Tensor, w, block_n: int | None = None, out: torch.Tensor | N
     if not isinstance(w, _SPLITS):
         launch(x, w, y, block_n, bias, sb)
         return y
-    more = dict(prep=prep) if tensor_cores else {}
+    more = dict(prep=own) if tensor_cores or ints else {}
     if split == 1:
         launch(x, w, y, block_n, bias, sb, 1, stages, **more)
         return y
