@@ -164,6 +164,15 @@ def _eight3(v, A: tl.constexpr, B: tl.constexpr):
 
 
 @triton.jit
+def _sixteen3(v, A: tl.constexpr, B: tl.constexpr):
+    """[A, B, 16] -> its sixteen [A, B] slices along the last axis, in order."""
+    e, o = tl.split(tl.reshape(v, (A, B, 8, 2)))
+    e0, e1, e2, e3, e4, e5, e6, e7 = _eight3(e, A, B)
+    o0, o1, o2, o3, o4, o5, o6, o7 = _eight3(o, A, B)
+    return e0, o0, e1, o1, e2, o2, e3, o3, e4, o4, e5, o5, e6, o6, e7, o7
+
+
+@triton.jit
 def _eight(v, A: tl.constexpr):
     """[A, 8] -> its eight [A] columns, in order."""
     e, o = tl.split(tl.reshape(v, (A, 2, 2, 2)))         # j = 4p + 2q + c: c = 0, 1
@@ -457,16 +466,16 @@ def _q6_k_dp4a(xq_ptr, s6_ptr, ql_ptr, qh_ptr, sc_ptr, d_ptr, b_ptr, y_ptr, M, N
         at = rows[:, None] * NB + blk[None, :]
         d = tl.load(d_ptr + at, mask=m2, other=0.0).to(tl.float32)
         qp = ql_ptr + at[:, :, None] * 32 + t[None, None, :]
-        hp = qh_ptr + at[:, :, None] * 16 + u[None, None, :]
-        sp = sc_ptr + at[:, :, None] * 16 + u[None, None, :]
+        g16 = at[:, :, None] * 16 + tl.arange(0, 16)[None, None, :]                 # [BN, SB, 16]
+        hs = _sixteen3(tl.load(qh_ptr + g16, mask=m2[:, :, None], other=0), BLOCK_N, SB)
+        scs = _sixteen3(tl.load(sc_ptr + g16, mask=m2[:, :, None], other=0), BLOCK_N, SB)
         xp = xq_ptr + blk * 64
         np_ = s6_ptr + blk * 32
         for j in tl.static_range(8):                            # block of 32 j of each super-block
             q0, q1, q2, q3 = _four(tl.load(qp + 4 * j, mask=m2[:, :, None], other=0), BLOCK_N, SB)
-            h0, h1 = tl.split(tl.load(hp + 2 * j, mask=m2[:, :, None], other=0))
-            sc0, sc1 = tl.split(tl.load(sp + 2 * j, mask=m2[:, :, None], other=0).to(tl.float32))
-            dsc0 = d * sc0
-            dsc1 = d * sc1
+            h0, h1 = hs[2 * j], hs[2 * j + 1]
+            dsc0 = d * scs[2 * j].to(tl.float32)
+            dsc1 = d * scs[2 * j + 1].to(tl.float32)
             ndsc0m = dsc0 * -12582912.0                         # exact (_times)
             ndsc1m = dsc1 * -12582912.0
             a0, a2 = _six(q0, h0 << 4)    # group 0: words lo t=0, lo t=1, hi t=0, hi t=1 (x's order)
@@ -509,14 +518,14 @@ def warps(block_n: int, sb: int) -> int:
 
 def setting(w) -> tuple[int, int, int]:
     """(outputs a program, super-blocks a step, shares of a row) for a matrix, by its shape alone (never the row
-    count: every call sums a row the same way). 64 outputs x 2 super-blocks: a warp's 32 threads read 64
-    different 144-byte super-blocks... A guess until swept on the GPU: rows long enough are cut into shares
-    of about 4 steps, so that a matrix of few outputs still gives the chip programs (added in a fixed order by
-    jllm.cuda.matvec)."""
+    count: every call sums a row the same way). 64 outputs x 2 super-blocks: 128 threads, a thread an output's
+    super-block (benchmarks/cuda_sass.py: ~1.2 SASS instructions a weight for one row of Q4_K, ~0.45 more a
+    row). A matrix of fewer programs than the H200's 132 multiprocessors has its rows cut into shares of at least
+    2 super-blocks (added in a fixed order by jllm.cuda.matvec). A guess until swept on the GPU."""
     n, k = w.shape
     nb = k // 256
     programs = triton.cdiv(n, 64)
-    split = 1 if programs >= 132 else max(1, min(nb // 8, triton.cdiv(132, programs)))
+    split = 1 if programs >= 132 else max(1, min(nb // 2, triton.cdiv(132, programs)))
     return 64, 2, split
 
 
