@@ -62,6 +62,7 @@ def main() -> None:
     ap.add_argument("--file", help="the kernel from another copy of its module (an experiment)")
     ap.add_argument("--ragged", action="store_true", help="masked tiles (EVEN false)")
     ap.add_argument("--dump", action="store_true", help="print the SASS too")
+    ap.add_argument("--maxnreg", type=int, default=None, help="registers a thread at most (launch option)")
     a = ap.parse_args()
     fn, ptrs, *more = KERNELS[a.kernel]
     options = more[0] if more else {}                # compile options the kernel is launched with
@@ -83,7 +84,7 @@ def main() -> None:
              for n, ty in sig.items() if ty.startswith("*") or n in DIVISIBLE}
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                        target=GPUTarget("cuda", a.arch, 32),
-                       options={"num_warps": a.warps, **options,
+                       options={"num_warps": a.warps, **options, **({"maxnreg": a.maxnreg} if a.maxnreg else {}),
                                 **({"num_stages": a.num_stages} if a.num_stages else {})})
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:

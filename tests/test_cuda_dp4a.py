@@ -363,3 +363,12 @@ def test_the_setting_and_the_switch():
     assert not dp4a.handles(x, w)                      # off by default, and past 16 rows in any case
     with pytest.raises(ValueError, match="powers of two"):
         dp4a.launch(x[:1], w, torch.empty(1, 32, device=DEV), 16, sb=1)
+    for n, k in ((1536, 1536), (256, 1536), (1536, 8960), (151936, 1536)):       # the 1.5B's shapes
+        block_n, sb, split = dp4a.setting(_Shape(n, k))
+        assert block_n * sb >= 32 and 1 <= split <= max(1, k // 256 // 2)
+    assert dp4a.setting(_Shape(151936, 1536))[2] == 1
+
+
+class _Shape:
+    def __init__(self, n, k):
+        self.shape = (n, k)

@@ -1,41 +1,52 @@
 """y = x W^T over Q4_K and Q6_K blocks with x quantized to int8 and integer dot products (PTX `dp4a`) on the
 CUDA cores, for passes of 1..16 rows, each row's output its own bit for bit. Standalone: jllm.cuda.matvec does
-not call it yet (`handles` and `Prepared` are the hooks, as jllm.cuda.mma has them).
+not call it yet (`handles`, `setting`, `Prepared`/`empty`/`prepare` and `launch` are the hooks, as
+jllm.cuda.mma has them).
 
-Why: the float kernels (q4_k.py, q6_k.py) turn every code into a float32 and multiply it into every row, ~6 SASS
-instructions a weight for one row and ~2.6 for each further row, so a verify pass of 4 rows costs ~1.7 decode
-steps. Here one `dp4a` multiplies four codes, a masked byte each in a weight word, by four int8 codes of x and
-adds the four products into an int32: the codes are masked once for all rows, and a row pays two `dp4a` per 8
-weights plus a few float operations per 32 (instruction counts: benchmarks/cuda_sass.py q4_k_dp4a / q6_k_dp4a).
-llama.cpp's MMVQ kernels do the same; jllm's CPU path quantizes x the same way (kernels/qgemm.cpp).
+Why: the float kernels (q4_k.py, q6_k.py) turn every code into a float32 and multiply it into every row: in SASS
+(benchmarks/cuda_sass.py, sm_90) ~5.2-6.3 instructions a weight for one row and ~2-2.6 more for each further
+row, so a verify pass of 4 rows costs ~1.7-2 decode steps. Here one `dp4a` multiplies four codes (a masked byte
+each of a weight word) by four int8 codes of x and adds the products into an int32: the codes are masked once
+for all rows, and a row pays two `dp4a` per 8 weights plus three or four float operations per 32. At 64 outputs
+x 2 super-blocks a program: Q4_K 1.20 instructions a weight for one row, +0.45-0.5 a further row (2.63 for 4
+rows); Q6_K 1.66, +0.5-0.55 (3.20 for 4 rows; 8 rows spill registers). llama.cpp's MMVQ kernels work the same
+way; jllm's CPU path quantizes x the same way (kernels/qgemm.cpp).
 
-x, made ready once per input (`prepare`, one launch, one program a row and super-block; or a producer of x
-fills `empty()`): per row and block of 32 values, dx = amax / 127 and the codes round(x * (127 / amax)) in
-[-127, 127] (round to nearest even, as qgemm.cpp's quantize_rows), stored as bytes in the order the weight codes
-come out of their words, so that one x word meets one masked weight word:
+x, made ready once per input (`prepare`: one launch, one program a row and super-block; or a producer of x fills
+`empty()` with prep_block): per row and block of 32 values, dx = amax / 127 and the codes round(x * (127 /
+amax)) in [-127, 127] (127 / amax in float32, rounded to nearest even: qgemm.cpp's quantize_rows, bit for bit),
+stored as bytes in the order the weight codes come out of their words, so that one x word meets one masked
+weight word:
     Q4_K (q4_k.py's layout): sub-block word t holds weight 4i + t in the low nibble of byte i, 16 + 4i + t in
         the high one; x's 8 words of a sub-block are w = 4h + t with byte i = x[16h + 4i + t]: word t meets
-        (q & 0x0F0F0F0F), word 4 + t meets ((q >> 4) & 0x0F0F0F0F). Per block of 32: bsx = dx * sum(codes)
-        (f32), for the mins' term, as qgemm.cpp has it.
+        (q & 0x0F0F0F0F), word 4 + t meets ((q >> 4) & 0x0F0F0F0F). Per block of 32 (dx, bsx = dx * sum of the
+        codes, for the mins' term as qgemm.cpp has it), float32 [M, K / 32, 2].
     Q6_K (q6_k.py's layout): a group of 16 weights (one int8 scale) has ql words t = 0, 1 (byte i: weight
-        2i + t's low 4 bits low, 8 + 2i + t's high) and one qh word (byte i: the high 2 bits of weights 2i,
-        8 + 2i, 2i + 1, 9 + 2i at bits 0, 2, 4, 6); the 6-bit codes (0..63) are assembled a byte each, and x's
-        4 words of a group are w = 2h + t with byte i = x[8h + 2i + t]. The -32 of (q - 32) is folded into
-        the integer sum's start: c6 = 0x4B400000 - 32 * sum(group's codes), per row and group (int32).
+        2i + t's low 4 bits low, 8 + 2i + t's high) and a qh word (byte i: the high 2 bits of weights 2i,
+        8 + 2i, 2i + 1, 9 + 2i at bits 0, 2, 4, 6); the unsigned 6-bit codes are assembled a byte each, and x's
+        4 words of a group are w = 2h + t with byte i = x[8h + 2i + t]. The -32 of (q - 32) is the integer
+        sum's start: c6 = MAGIC - 32 * the group's sum of codes. Per block of 32 (dx's bits, c6 of its two
+        groups, 0), int32 [M, K / 32, 4].
 
-Integer sums are exact, in any order. Each chain of dp4a starts at 0x4B400000 (the float 1.5 * 2^23) or c6,
-so its result, a sum of magnitude below 2^22 (32 * 15 * 127; 16 * 32 * 127), read as a float is 1.5 * 2^23
-plus the sum exactly, and one subtraction makes it a float (no I2F). Then per block, in float32:
-    Q4_K, per sub-block:  acc = fma((d * sc) * sum, dx, acc);  acc = fma(-(dmin * mn), bsx, acc)
-    Q6_K, per block of 32 (groups g0, g1):  v = (d * sc0) * sum0;  v = fma(d * sc1, sum1, v);  acc = fma(v, dx, acc)
-and the row's output is its accumulators' sum over the step's blocks at the end.
+The products: a thread takes an output's super-block (its scales and mins loaded once for its 256 weights),
+its 8 blocks of 32 one after the other, and for each row of x a dp4a chain a block (Q4_K) or group (Q6_K).
+Integer sums are exact, in any order. A chain starts at MAGIC = 0x4B400000 (the float 1.5 * 2^23; Q6_K: c6),
+so its result, a sum below 2^22 in magnitude (32 * 15 * 127; 16 * 32 * 127), read as a float is 1.5 * 2^23 plus
+the sum exactly; times s = d * scale that is one fma (_times), then per row and block, in float32:
+    Q4_K, per sub-block:  acc = fma(round((d * sc) * sum), dx, acc);  acc = fma(-(dmin * mn), bsx, acc)
+    Q6_K, per block of 32 (groups 0, 1):  acc = fma(round((d * sc0) * sum0) + round((d * sc1) * sum1), dx, acc)
+and the row's output is its accumulators' sum over a step's super-blocks at the end (plus the bias).
 
 How a row stays its own: as jllm.cuda.rows: up to 8 rows a program, each with its own accumulators, each row's
 step the same operations in the same order as a program of one row runs them; rows past M reload the last row
 and are not stored. The kernels compile with enable_fp_fusion=False, so the compiler cannot contract a
-multiply and an add into an fma in one ROWS variant and not in another (the fmas above are explicit);
-the prep rounds with cvt.rni, whatever the fusion setting of a kernel it may later be fused into. Without a GPU
-(Triton's interpreter) the PTX is replaced by shifts, masks and multiplies giving the same integers (ASM).
+multiply and an add into an fma in one ROWS variant and not in another (the fmas above are explicit); the prep
+rounds with cvt.rni, whatever the fusion setting of a kernel it may later be fused into. The products are not
+the float kernels' (x rounded to 8 bits a block of 32: ~0.5% rms relative error against the float product on
+random weights and x, the CPU's int8 path's own error): a matrix must take this path for every row count or
+none. Without a GPU (Triton's interpreter) the PTX
+is replaced by shifts, masks and multiplies giving the same integers, and the fma of _times by its exact
+two-step equal (ASM).
 """
 
 from __future__ import annotations
@@ -164,6 +175,15 @@ def _eight3(v, A: tl.constexpr, B: tl.constexpr):
 
 
 @triton.jit
+def _sixteen3(v, A: tl.constexpr, B: tl.constexpr):
+    """[A, B, 16] -> its sixteen [A, B] slices along the last axis, in order."""
+    e, o = tl.split(tl.reshape(v, (A, B, 8, 2)))
+    e0, e1, e2, e3, e4, e5, e6, e7 = _eight3(e, A, B)
+    o0, o1, o2, o3, o4, o5, o6, o7 = _eight3(o, A, B)
+    return e0, o0, e1, o1, e2, o2, e3, o3, e4, o4, e5, o5, e6, o6, e7, o7
+
+
+@triton.jit
 def _eight(v, A: tl.constexpr):
     """[A, 8] -> its eight [A] columns, in order."""
     e, o = tl.split(tl.reshape(v, (A, 2, 2, 2)))         # j = 4p + 2q + c: c = 0, 1
@@ -288,17 +308,19 @@ def prepare(x: torch.Tensor, weights) -> Prepared:
 # ---- the products ----------------------------------------------------------------------------------------------
 
 @triton.jit
-def _x_row(r, M, K):
+def _x_row(r, M):
     """Row r of a program's rows -> the row of x it reads (past M: the last, in bounds; not stored)."""
     return tl.minimum(r, M - 1)
 
 
 @triton.jit
-def _q4_k_row(acc, xq, s4, ok, l0, l1, l2, l3, h0, h1, h2, h3, dsc, ndscm, ndmm, J: tl.constexpr,
-              USE_ASM: tl.constexpr):
+def _q4_k_row(acc, xq, s4, ok, words, scales, J: tl.constexpr, USE_ASM: tl.constexpr):
     """One row's sub-block J of a step's super-blocks (its codes' words at xq [SB] + 8 J.., its (dx, bsx) at
-    s4 [SB] + 2 J) against the masked weight words [BN, SB]: one dp4a chain, then the sub-block's float terms
-    into acc [BN, SB]. The same operations in the same order for every row (jllm.cuda.rows)."""
+    s4 [SB] + 2 J) against the masked weight words [BN, SB] (words: l0..l3, h0..h3): one dp4a chain, then the
+    sub-block's float terms (scales: d * sc, -(d * sc) * 1.5 * 2^23, -(dmin * mn)) into acc [BN, SB]. The same
+    operations in the same order for every row (jllm.cuda.rows)."""
+    l0, l1, l2, l3, h0, h1, h2, h3 = words
+    dsc, ndscm, ndmm = scales
     w = tl.load(xq[:, None] + (8 * J + tl.arange(0, 8))[None, :], mask=ok[:, None], other=0)
     x0, x1, x2, x3, x4, x5, x6, x7 = _eight(w, w.shape[0])
     c = _dot8(l0, l1, l2, l3, h0, h1, h2, h3, x0[None, :], x1[None, :], x2[None, :], x3[None, :], x4[None, :],
@@ -312,10 +334,10 @@ def _q4_k_row(acc, xq, s4, ok, l0, l1, l2, l3, h0, h1, h2, h3, dsc, ndscm, ndmm,
 def _q4_k_dp4a(xq_ptr, s4_ptr, qs_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, b_ptr, y_ptr, M, N, K, NB,
                Y_STRIDE, NB_PART, P_STRIDE, BLOCK_N: tl.constexpr, SB: tl.constexpr, ROWS: tl.constexpr,
                HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr):
-    """x's codes xq (int32 words [M, K / 4], Q4_K's order) and (dx, bsx) s4 [M, K / 32, 2] -> y (the grid, the shares
-    and EVEN as q4_k._q4_k_matvec's). A step is SB super-blocks of BLOCK_N outputs, an output's super-block to a
-    thread, its 8 sub-blocks one after the other: its scales, mins, d and dmin are loaded once for its 256
-    weights, and each row's x words of a sub-block once for all of the thread's outputs."""
+    """x's codes xq (int32 words [M, K / 4], Q4_K's order) and (dx, bsx) s4 [M, K / 32, 2] -> y (the grid, the
+    shares and EVEN as q4_k._q4_k_matvec's). A step is SB super-blocks of BLOCK_N outputs, an output's
+    super-block to a thread, its 8 sub-blocks one after the other: its scales, mins, d and dmin are loaded once
+    for its 256 weights, and each row's x words of a sub-block once for all of the thread's outputs."""
     m0 = tl.program_id(0) * ROWS
     pid_n = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -335,13 +357,13 @@ def _q4_k_dp4a(xq_ptr, s4_ptr, qs_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, b_ptr, y
     end = tl.minimum(NB, (part + 1) * NB_PART)
     KW = tl.multiple_of(K // 4, 64)       # x's words a row (K: a multiple of 256)
     KS = tl.multiple_of(K // 16, 16)      # s4's numbers a row
-    x1 = _x_row(m0 + 1, M, K)
-    x2 = _x_row(m0 + 2, M, K)
-    x3 = _x_row(m0 + 3, M, K)
-    x4 = _x_row(m0 + 4, M, K)
-    x5 = _x_row(m0 + 5, M, K)
-    x6 = _x_row(m0 + 6, M, K)
-    x7 = _x_row(m0 + 7, M, K)
+    x1 = _x_row(m0 + 1, M)
+    x2 = _x_row(m0 + 2, M)
+    x3 = _x_row(m0 + 3, M)
+    x4 = _x_row(m0 + 4, M)
+    x5 = _x_row(m0 + 5, M)
+    x6 = _x_row(m0 + 6, M)
+    x7 = _x_row(m0 + 7, M)
     for kb in tl.range(0, tl.cdiv(NB_PART, SB), num_stages=STAGES):
         blk = part * NB_PART + kb * SB + c                      # [SB] super-blocks
         ok = (blk < end) | EVEN
@@ -359,32 +381,24 @@ def _q4_k_dp4a(xq_ptr, s4_ptr, qs_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, b_ptr, y
             q = tl.load(qp + 4 * j, mask=m2[:, :, None], other=0)                   # int32 [BN, SB, 4]
             l0, l1, l2, l3 = _four(q & 0x0F0F0F0F, BLOCK_N, SB)                     # weights 4i + t
             h0, h1, h2, h3 = _four((q >> 4) & 0x0F0F0F0F, BLOCK_N, SB)              # weights 16 + 4i + t
+            words = (l0, l1, l2, l3, h0, h1, h2, h3)
             dsc = d * scs[j].to(tl.float32)
-            ndscm = dsc * -12582912.0                           # exact (_times)
-            ndmm = -(dmin * mns[j].to(tl.float32))
-            acc0 = _q4_k_row(acc0, xp + m0 * KW, sp + m0 * KS, ok, l0, l1, l2, l3, h0, h1, h2, h3, dsc, ndscm, ndmm, j,
-                             USE_ASM)
+            scales = (dsc, dsc * -12582912.0, -(dmin * mns[j].to(tl.float32)))     # exact (_times)
+            acc0 = _q4_k_row(acc0, xp + m0 * KW, sp + m0 * KS, ok, words, scales, j, USE_ASM)
             if ROWS > 1:
-                acc1 = _q4_k_row(acc1, xp + x1 * KW, sp + x1 * KS, ok, l0, l1, l2, l3, h0, h1, h2, h3, dsc, ndscm, ndmm,
-                                 j, USE_ASM)
+                acc1 = _q4_k_row(acc1, xp + x1 * KW, sp + x1 * KS, ok, words, scales, j, USE_ASM)
             if ROWS > 2:
-                acc2 = _q4_k_row(acc2, xp + x2 * KW, sp + x2 * KS, ok, l0, l1, l2, l3, h0, h1, h2, h3, dsc, ndscm, ndmm,
-                                 j, USE_ASM)
+                acc2 = _q4_k_row(acc2, xp + x2 * KW, sp + x2 * KS, ok, words, scales, j, USE_ASM)
             if ROWS > 3:
-                acc3 = _q4_k_row(acc3, xp + x3 * KW, sp + x3 * KS, ok, l0, l1, l2, l3, h0, h1, h2, h3, dsc, ndscm, ndmm,
-                                 j, USE_ASM)
+                acc3 = _q4_k_row(acc3, xp + x3 * KW, sp + x3 * KS, ok, words, scales, j, USE_ASM)
             if ROWS > 4:
-                acc4 = _q4_k_row(acc4, xp + x4 * KW, sp + x4 * KS, ok, l0, l1, l2, l3, h0, h1, h2, h3, dsc, ndscm, ndmm,
-                                 j, USE_ASM)
+                acc4 = _q4_k_row(acc4, xp + x4 * KW, sp + x4 * KS, ok, words, scales, j, USE_ASM)
             if ROWS > 5:
-                acc5 = _q4_k_row(acc5, xp + x5 * KW, sp + x5 * KS, ok, l0, l1, l2, l3, h0, h1, h2, h3, dsc, ndscm, ndmm,
-                                 j, USE_ASM)
+                acc5 = _q4_k_row(acc5, xp + x5 * KW, sp + x5 * KS, ok, words, scales, j, USE_ASM)
             if ROWS > 6:
-                acc6 = _q4_k_row(acc6, xp + x6 * KW, sp + x6 * KS, ok, l0, l1, l2, l3, h0, h1, h2, h3, dsc, ndscm, ndmm,
-                                 j, USE_ASM)
+                acc6 = _q4_k_row(acc6, xp + x6 * KW, sp + x6 * KS, ok, words, scales, j, USE_ASM)
             if ROWS > 7:
-                acc7 = _q4_k_row(acc7, xp + x7 * KW, sp + x7 * KS, ok, l0, l1, l2, l3, h0, h1, h2, h3, dsc, ndscm, ndmm,
-                                 j, USE_ASM)
+                acc7 = _q4_k_row(acc7, xp + x7 * KW, sp + x7 * KS, ok, words, scales, j, USE_ASM)
     store_rows(tl.sum(acc0, axis=1), tl.sum(acc1, axis=1), tl.sum(acc2, axis=1), tl.sum(acc3, axis=1),
                tl.sum(acc4, axis=1), tl.sum(acc5, axis=1), tl.sum(acc6, axis=1), tl.sum(acc7, axis=1),
                y_ptr + part * P_STRIDE + rows, live, m0, M, Y_STRIDE, ROWS, HAS_BIAS, b_ptr + rows, False)
@@ -398,12 +412,13 @@ def _six(q, h):
 
 
 @triton.jit
-def _q6_k_row(acc, xq, s6, ok, a0, a1, a2, a3, b0, b1, b2, b3, dsc0, ndsc0m, dsc1, ndsc1m, J: tl.constexpr,
-              USE_ASM: tl.constexpr):
+def _q6_k_row(acc, xq, s6, ok, words, scales, J: tl.constexpr, USE_ASM: tl.constexpr):
     """One row's block of 32 J of a step's super-blocks (its codes' words at xq [SB] + 8 J..: group 0's four,
-    group 1's; its numbers at s6 [SB] + 4 J..) against the groups' 6-bit code words a0..a3, b0..b3 [BN, SB],
-    each group's chain from its c6, then the float terms into acc [BN, SB]. The same operations in the same
-    order for every row."""
+    group 1's; its numbers at s6 [SB] + 4 J..) against the groups' 6-bit code words [BN, SB] (words: a0..a3,
+    b0..b3), each group's chain from its c6, then the float terms (scales: d * sc and -(d * sc) * 1.5 * 2^23 of
+    each group) into acc [BN, SB]. The same operations in the same order for every row."""
+    a0, a1, a2, a3, b0, b1, b2, b3 = words
+    dsc0, ndsc0m, dsc1, ndsc1m = scales
     w = tl.load(xq[:, None] + (8 * J + tl.arange(0, 8))[None, :], mask=ok[:, None], other=0)
     x0, x1, x2, x3, x4, x5, x6, x7 = _eight(w, w.shape[0])
     num = tl.load(s6[:, None] + (4 * J + tl.arange(0, 4))[None, :], mask=ok[:, None], other=0)
@@ -429,8 +444,6 @@ def _q6_k_dp4a(xq_ptr, s6_ptr, ql_ptr, qh_ptr, sc_ptr, d_ptr, b_ptr, y_ptr, M, N
     live = rows < N
     c = tl.arange(0, SB)
     t = tl.arange(0, 4)
-    u = tl.arange(0, 2)
-    j8 = tl.arange(0, 8)
     acc0 = tl.zeros((BLOCK_N, SB), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_N, SB), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N, SB), dtype=tl.float32)
@@ -443,13 +456,13 @@ def _q6_k_dp4a(xq_ptr, s6_ptr, ql_ptr, qh_ptr, sc_ptr, d_ptr, b_ptr, y_ptr, M, N
     end = tl.minimum(NB, (part + 1) * NB_PART)
     KW = tl.multiple_of(K // 4, 64)       # x's words a row (K: a multiple of 256)
     KS = tl.multiple_of(K // 8, 32)       # s6's numbers a row
-    x1 = _x_row(m0 + 1, M, K)
-    x2 = _x_row(m0 + 2, M, K)
-    x3 = _x_row(m0 + 3, M, K)
-    x4 = _x_row(m0 + 4, M, K)
-    x5 = _x_row(m0 + 5, M, K)
-    x6 = _x_row(m0 + 6, M, K)
-    x7 = _x_row(m0 + 7, M, K)
+    x1 = _x_row(m0 + 1, M)
+    x2 = _x_row(m0 + 2, M)
+    x3 = _x_row(m0 + 3, M)
+    x4 = _x_row(m0 + 4, M)
+    x5 = _x_row(m0 + 5, M)
+    x6 = _x_row(m0 + 6, M)
+    x7 = _x_row(m0 + 7, M)
     for kb in tl.range(0, tl.cdiv(NB_PART, SB), num_stages=STAGES):
         blk = part * NB_PART + kb * SB + c
         ok = (blk < end) | EVEN
@@ -457,45 +470,37 @@ def _q6_k_dp4a(xq_ptr, s6_ptr, ql_ptr, qh_ptr, sc_ptr, d_ptr, b_ptr, y_ptr, M, N
         at = rows[:, None] * NB + blk[None, :]
         d = tl.load(d_ptr + at, mask=m2, other=0.0).to(tl.float32)
         qp = ql_ptr + at[:, :, None] * 32 + t[None, None, :]
-        hp = qh_ptr + at[:, :, None] * 16 + u[None, None, :]
-        sp = sc_ptr + at[:, :, None] * 16 + u[None, None, :]
+        g16 = at[:, :, None] * 16 + tl.arange(0, 16)[None, None, :]                 # [BN, SB, 16]
+        hs = _sixteen3(tl.load(qh_ptr + g16, mask=m2[:, :, None], other=0), BLOCK_N, SB)
+        scs = _sixteen3(tl.load(sc_ptr + g16, mask=m2[:, :, None], other=0), BLOCK_N, SB)
         xp = xq_ptr + blk * 64
-        np_ = s6_ptr + blk * 32
+        sp = s6_ptr + blk * 32                                  # and their numbers
         for j in tl.static_range(8):                            # block of 32 j of each super-block
             q0, q1, q2, q3 = _four(tl.load(qp + 4 * j, mask=m2[:, :, None], other=0), BLOCK_N, SB)
-            h0, h1 = tl.split(tl.load(hp + 2 * j, mask=m2[:, :, None], other=0))
-            sc0, sc1 = tl.split(tl.load(sp + 2 * j, mask=m2[:, :, None], other=0).to(tl.float32))
-            dsc0 = d * sc0
-            dsc1 = d * sc1
-            ndsc0m = dsc0 * -12582912.0                         # exact (_times)
-            ndsc1m = dsc1 * -12582912.0
+            h0, h1 = hs[2 * j], hs[2 * j + 1]
+            dsc0 = d * scs[2 * j].to(tl.float32)
+            dsc1 = d * scs[2 * j + 1].to(tl.float32)
+            scales = (dsc0, dsc0 * -12582912.0, dsc1, dsc1 * -12582912.0)           # exact (_times)
             a0, a2 = _six(q0, h0 << 4)    # group 0: words lo t=0, lo t=1, hi t=0, hi t=1 (x's order)
             a1, a3 = _six(q1, h0)
             b0, b2 = _six(q2, h1 << 4)    # group 1
             b1, b3 = _six(q3, h1)
-            acc0 = _q6_k_row(acc0, xp + m0 * KW, np_ + m0 * KS, ok, a0, a1, a2, a3, b0, b1, b2, b3, dsc0, ndsc0m, dsc1, ndsc1m, j,
-                             USE_ASM)
+            words = (a0, a1, a2, a3, b0, b1, b2, b3)
+            acc0 = _q6_k_row(acc0, xp + m0 * KW, sp + m0 * KS, ok, words, scales, j, USE_ASM)
             if ROWS > 1:
-                acc1 = _q6_k_row(acc1, xp + x1 * KW, np_ + x1 * KS, ok, a0, a1, a2, a3, b0, b1, b2, b3, dsc0, ndsc0m, dsc1, ndsc1m,
-                                 j, USE_ASM)
+                acc1 = _q6_k_row(acc1, xp + x1 * KW, sp + x1 * KS, ok, words, scales, j, USE_ASM)
             if ROWS > 2:
-                acc2 = _q6_k_row(acc2, xp + x2 * KW, np_ + x2 * KS, ok, a0, a1, a2, a3, b0, b1, b2, b3, dsc0, ndsc0m, dsc1, ndsc1m,
-                                 j, USE_ASM)
+                acc2 = _q6_k_row(acc2, xp + x2 * KW, sp + x2 * KS, ok, words, scales, j, USE_ASM)
             if ROWS > 3:
-                acc3 = _q6_k_row(acc3, xp + x3 * KW, np_ + x3 * KS, ok, a0, a1, a2, a3, b0, b1, b2, b3, dsc0, ndsc0m, dsc1, ndsc1m,
-                                 j, USE_ASM)
+                acc3 = _q6_k_row(acc3, xp + x3 * KW, sp + x3 * KS, ok, words, scales, j, USE_ASM)
             if ROWS > 4:
-                acc4 = _q6_k_row(acc4, xp + x4 * KW, np_ + x4 * KS, ok, a0, a1, a2, a3, b0, b1, b2, b3, dsc0, ndsc0m, dsc1, ndsc1m,
-                                 j, USE_ASM)
+                acc4 = _q6_k_row(acc4, xp + x4 * KW, sp + x4 * KS, ok, words, scales, j, USE_ASM)
             if ROWS > 5:
-                acc5 = _q6_k_row(acc5, xp + x5 * KW, np_ + x5 * KS, ok, a0, a1, a2, a3, b0, b1, b2, b3, dsc0, ndsc0m, dsc1, ndsc1m,
-                                 j, USE_ASM)
+                acc5 = _q6_k_row(acc5, xp + x5 * KW, sp + x5 * KS, ok, words, scales, j, USE_ASM)
             if ROWS > 6:
-                acc6 = _q6_k_row(acc6, xp + x6 * KW, np_ + x6 * KS, ok, a0, a1, a2, a3, b0, b1, b2, b3, dsc0, ndsc0m, dsc1, ndsc1m,
-                                 j, USE_ASM)
+                acc6 = _q6_k_row(acc6, xp + x6 * KW, sp + x6 * KS, ok, words, scales, j, USE_ASM)
             if ROWS > 7:
-                acc7 = _q6_k_row(acc7, xp + x7 * KW, np_ + x7 * KS, ok, a0, a1, a2, a3, b0, b1, b2, b3, dsc0, ndsc0m, dsc1, ndsc1m,
-                                 j, USE_ASM)
+                acc7 = _q6_k_row(acc7, xp + x7 * KW, sp + x7 * KS, ok, words, scales, j, USE_ASM)
     store_rows(tl.sum(acc0, axis=1), tl.sum(acc1, axis=1), tl.sum(acc2, axis=1), tl.sum(acc3, axis=1),
                tl.sum(acc4, axis=1), tl.sum(acc5, axis=1), tl.sum(acc6, axis=1), tl.sum(acc7, axis=1),
                y_ptr + part * P_STRIDE + rows, live, m0, M, Y_STRIDE, ROWS, HAS_BIAS, b_ptr + rows, False)
@@ -509,14 +514,14 @@ def warps(block_n: int, sb: int) -> int:
 
 def setting(w) -> tuple[int, int, int]:
     """(outputs a program, super-blocks a step, shares of a row) for a matrix, by its shape alone (never the row
-    count: every call sums a row the same way). 64 outputs x 2 super-blocks: a warp's 32 threads read 64
-    different 144-byte super-blocks... A guess until swept on the GPU: rows long enough are cut into shares
-    of about 4 steps, so that a matrix of few outputs still gives the chip programs (added in a fixed order by
-    jllm.cuda.matvec)."""
+    count: every call sums a row the same way). 64 outputs x 2 super-blocks: 128 threads, a thread an output's
+    super-block (benchmarks/cuda_sass.py: ~1.2 SASS instructions a weight for one row of Q4_K, ~0.45 more a
+    row). A matrix of fewer programs than the H200's 132 multiprocessors has its rows cut into shares of at least
+    2 super-blocks (added in a fixed order by jllm.cuda.matvec). A guess until swept on the GPU."""
     n, k = w.shape
     nb = k // 256
     programs = triton.cdiv(n, 64)
-    split = 1 if programs >= 132 else max(1, min(nb // 8, triton.cdiv(132, programs)))
+    split = 1 if programs >= 132 else max(1, min(nb // 2, triton.cdiv(132, programs)))
     return 64, 2, split
 
 
