@@ -313,19 +313,24 @@ def _x_row(r, M):
     return tl.minimum(r, M - 1)
 
 
+# _in_bounds: a ragged tile (outputs past N, super-blocks past the share's end) loads no masked values: its
+# outputs and super-blocks are clamped to the last ones (in bounds) and their d (and dmin) set to 0, so every
+# term they add is 0 (d * scale = 0 times a finite chain, dx, bsx): the loads of a ragged step are those of an
+# even one, the x rows' too.
+
 @triton.jit
-def _q4_k_row(acc, xq, s4, ok, words, scales, J: tl.constexpr, USE_ASM: tl.constexpr):
+def _q4_k_row(acc, xq, s4, words, scales, J: tl.constexpr, USE_ASM: tl.constexpr):
     """One row's sub-block J of a step's super-blocks (its codes' words at xq [SB] + 8 J.., its (dx, bsx) at
     s4 [SB] + 2 J) against the masked weight words [BN, SB] (words: l0..l3, h0..h3): one dp4a chain, then the
     sub-block's float terms (scales: d * sc, -(d * sc) * 1.5 * 2^23, -(dmin * mn)) into acc [BN, SB]. The same
     operations in the same order for every row (jllm.cuda.rows)."""
     l0, l1, l2, l3, h0, h1, h2, h3 = words
     dsc, ndscm, ndmm = scales
-    w = tl.load(xq[:, None] + (8 * J + tl.arange(0, 8))[None, :], mask=ok[:, None], other=0)
+    w = tl.load(xq[:, None] + (8 * J + tl.arange(0, 8))[None, :])
     x0, x1, x2, x3, x4, x5, x6, x7 = _eight(w, w.shape[0])
     c = _dot8(l0, l1, l2, l3, h0, h1, h2, h3, x0[None, :], x1[None, :], x2[None, :], x3[None, :], x4[None, :],
               x5[None, :], x6[None, :], x7[None, :], _MAGIC, USE_ASM)
-    dx, bsx = tl.split(tl.load(s4[:, None] + (2 * J + tl.arange(0, 2))[None, :], mask=ok[:, None], other=0.0))
+    dx, bsx = tl.split(tl.load(s4[:, None] + (2 * J + tl.arange(0, 2))[None, :]))
     acc = tl.fma(_times(c, dsc, ndscm, USE_ASM), dx[None, :], acc)
     return tl.fma(ndmm, bsx[None, :], acc)
 
@@ -342,6 +347,9 @@ def _q4_k_dp4a(xq_ptr, s4_ptr, qs_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, b_ptr, y
     pid_n = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     live = rows < N
+    nn = rows
+    if not EVEN:
+        nn = tl.minimum(rows, N - 1)      # in bounds (see _in_bounds)
     c = tl.arange(0, SB)
     t = tl.arange(0, 4)
     j8 = tl.arange(0, 8)
@@ -366,39 +374,40 @@ def _q4_k_dp4a(xq_ptr, s4_ptr, qs_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, b_ptr, y
     x7 = _x_row(m0 + 7, M)
     for kb in tl.range(0, tl.cdiv(NB_PART, SB), num_stages=STAGES):
         blk = part * NB_PART + kb * SB + c                      # [SB] super-blocks
-        ok = (blk < end) | EVEN
-        m2 = (live[:, None] & ok[None, :]) | EVEN
-        at = rows[:, None] * NB + blk[None, :]                  # [BN, SB]
-        d = tl.load(d_ptr + at, mask=m2, other=0.0).to(tl.float32)
-        dmin = tl.load(dmin_ptr + at, mask=m2, other=0.0).to(tl.float32)
+        here = (live[:, None] & (blk < end)[None, :]) | EVEN
+        if not EVEN:
+            blk = tl.minimum(blk, NB - 1)                       # in bounds (see _in_bounds)
+        at = nn[:, None] * NB + blk[None, :]                    # [BN, SB]
+        d = tl.where(here, tl.load(d_ptr + at).to(tl.float32), 0.0)
+        dmin = tl.where(here, tl.load(dmin_ptr + at).to(tl.float32), 0.0)
         m8 = at[:, :, None] * 8 + j8[None, None, :]                                 # [BN, SB, 8]
-        scs = _eight3(tl.load(sc_ptr + m8, mask=m2[:, :, None], other=0), BLOCK_N, SB)
-        mns = _eight3(tl.load(mn_ptr + m8, mask=m2[:, :, None], other=0), BLOCK_N, SB)
+        scs = _eight3(tl.load(sc_ptr + m8), BLOCK_N, SB)
+        mns = _eight3(tl.load(mn_ptr + m8), BLOCK_N, SB)
         qp = qs_ptr + at[:, :, None] * 32 + t[None, None, :]   # the super-blocks' words, sub-block 0
         xp = xq_ptr + blk * 64                                  # [SB] x's words of the super-blocks
         sp = s4_ptr + blk * 16                                  # and their (dx, bsx)
         for j in tl.static_range(8):                            # sub-block j of each super-block
-            q = tl.load(qp + 4 * j, mask=m2[:, :, None], other=0)                   # int32 [BN, SB, 4]
+            q = tl.load(qp + 4 * j)                                                 # int32 [BN, SB, 4]
             l0, l1, l2, l3 = _four(q & 0x0F0F0F0F, BLOCK_N, SB)                     # weights 4i + t
             h0, h1, h2, h3 = _four((q >> 4) & 0x0F0F0F0F, BLOCK_N, SB)              # weights 16 + 4i + t
             words = (l0, l1, l2, l3, h0, h1, h2, h3)
             dsc = d * scs[j].to(tl.float32)
             scales = (dsc, dsc * -12582912.0, -(dmin * mns[j].to(tl.float32)))     # exact (_times)
-            acc0 = _q4_k_row(acc0, xp + m0 * KW, sp + m0 * KS, ok, words, scales, j, USE_ASM)
+            acc0 = _q4_k_row(acc0, xp + m0 * KW, sp + m0 * KS, words, scales, j, USE_ASM)
             if ROWS > 1:
-                acc1 = _q4_k_row(acc1, xp + x1 * KW, sp + x1 * KS, ok, words, scales, j, USE_ASM)
+                acc1 = _q4_k_row(acc1, xp + x1 * KW, sp + x1 * KS, words, scales, j, USE_ASM)
             if ROWS > 2:
-                acc2 = _q4_k_row(acc2, xp + x2 * KW, sp + x2 * KS, ok, words, scales, j, USE_ASM)
+                acc2 = _q4_k_row(acc2, xp + x2 * KW, sp + x2 * KS, words, scales, j, USE_ASM)
             if ROWS > 3:
-                acc3 = _q4_k_row(acc3, xp + x3 * KW, sp + x3 * KS, ok, words, scales, j, USE_ASM)
+                acc3 = _q4_k_row(acc3, xp + x3 * KW, sp + x3 * KS, words, scales, j, USE_ASM)
             if ROWS > 4:
-                acc4 = _q4_k_row(acc4, xp + x4 * KW, sp + x4 * KS, ok, words, scales, j, USE_ASM)
+                acc4 = _q4_k_row(acc4, xp + x4 * KW, sp + x4 * KS, words, scales, j, USE_ASM)
             if ROWS > 5:
-                acc5 = _q4_k_row(acc5, xp + x5 * KW, sp + x5 * KS, ok, words, scales, j, USE_ASM)
+                acc5 = _q4_k_row(acc5, xp + x5 * KW, sp + x5 * KS, words, scales, j, USE_ASM)
             if ROWS > 6:
-                acc6 = _q4_k_row(acc6, xp + x6 * KW, sp + x6 * KS, ok, words, scales, j, USE_ASM)
+                acc6 = _q4_k_row(acc6, xp + x6 * KW, sp + x6 * KS, words, scales, j, USE_ASM)
             if ROWS > 7:
-                acc7 = _q4_k_row(acc7, xp + x7 * KW, sp + x7 * KS, ok, words, scales, j, USE_ASM)
+                acc7 = _q4_k_row(acc7, xp + x7 * KW, sp + x7 * KS, words, scales, j, USE_ASM)
     store_rows(tl.sum(acc0, axis=1), tl.sum(acc1, axis=1), tl.sum(acc2, axis=1), tl.sum(acc3, axis=1),
                tl.sum(acc4, axis=1), tl.sum(acc5, axis=1), tl.sum(acc6, axis=1), tl.sum(acc7, axis=1),
                y_ptr + part * P_STRIDE + rows, live, m0, M, Y_STRIDE, ROWS, HAS_BIAS, b_ptr + rows, False)
@@ -412,16 +421,16 @@ def _six(q, h):
 
 
 @triton.jit
-def _q6_k_row(acc, xq, s6, ok, words, scales, J: tl.constexpr, USE_ASM: tl.constexpr):
+def _q6_k_row(acc, xq, s6, words, scales, J: tl.constexpr, USE_ASM: tl.constexpr):
     """One row's block of 32 J of a step's super-blocks (its codes' words at xq [SB] + 8 J..: group 0's four,
     group 1's; its numbers at s6 [SB] + 4 J..) against the groups' 6-bit code words [BN, SB] (words: a0..a3,
     b0..b3), each group's chain from its c6, then the float terms (scales: d * sc and -(d * sc) * 1.5 * 2^23 of
     each group) into acc [BN, SB]. The same operations in the same order for every row."""
     a0, a1, a2, a3, b0, b1, b2, b3 = words
     dsc0, ndsc0m, dsc1, ndsc1m = scales
-    w = tl.load(xq[:, None] + (8 * J + tl.arange(0, 8))[None, :], mask=ok[:, None], other=0)
+    w = tl.load(xq[:, None] + (8 * J + tl.arange(0, 8))[None, :])
     x0, x1, x2, x3, x4, x5, x6, x7 = _eight(w, w.shape[0])
-    num = tl.load(s6[:, None] + (4 * J + tl.arange(0, 4))[None, :], mask=ok[:, None], other=0)
+    num = tl.load(s6[:, None] + (4 * J + tl.arange(0, 4))[None, :])
     even, odd = tl.split(tl.reshape(num, (w.shape[0], 2, 2)))
     dx, c1 = tl.split(even)
     c0, _ = tl.split(odd)
@@ -442,6 +451,9 @@ def _q6_k_dp4a(xq_ptr, s6_ptr, ql_ptr, qh_ptr, sc_ptr, d_ptr, b_ptr, y_ptr, M, N
     pid_n = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     live = rows < N
+    nn = rows
+    if not EVEN:
+        nn = tl.minimum(rows, N - 1)      # in bounds (see _in_bounds)
     c = tl.arange(0, SB)
     t = tl.arange(0, 4)
     acc0 = tl.zeros((BLOCK_N, SB), dtype=tl.float32)
@@ -465,18 +477,19 @@ def _q6_k_dp4a(xq_ptr, s6_ptr, ql_ptr, qh_ptr, sc_ptr, d_ptr, b_ptr, y_ptr, M, N
     x7 = _x_row(m0 + 7, M)
     for kb in tl.range(0, tl.cdiv(NB_PART, SB), num_stages=STAGES):
         blk = part * NB_PART + kb * SB + c
-        ok = (blk < end) | EVEN
-        m2 = (live[:, None] & ok[None, :]) | EVEN
-        at = rows[:, None] * NB + blk[None, :]
-        d = tl.load(d_ptr + at, mask=m2, other=0.0).to(tl.float32)
+        here = (live[:, None] & (blk < end)[None, :]) | EVEN
+        if not EVEN:
+            blk = tl.minimum(blk, NB - 1)                       # in bounds (see _in_bounds)
+        at = nn[:, None] * NB + blk[None, :]
+        d = tl.where(here, tl.load(d_ptr + at).to(tl.float32), 0.0)
         qp = ql_ptr + at[:, :, None] * 32 + t[None, None, :]
         g16 = at[:, :, None] * 16 + tl.arange(0, 16)[None, None, :]                 # [BN, SB, 16]
-        hs = _sixteen3(tl.load(qh_ptr + g16, mask=m2[:, :, None], other=0), BLOCK_N, SB)
-        scs = _sixteen3(tl.load(sc_ptr + g16, mask=m2[:, :, None], other=0), BLOCK_N, SB)
+        hs = _sixteen3(tl.load(qh_ptr + g16), BLOCK_N, SB)
+        scs = _sixteen3(tl.load(sc_ptr + g16), BLOCK_N, SB)
         xp = xq_ptr + blk * 64
         sp = s6_ptr + blk * 32                                  # and their numbers
         for j in tl.static_range(8):                            # block of 32 j of each super-block
-            q0, q1, q2, q3 = _four(tl.load(qp + 4 * j, mask=m2[:, :, None], other=0), BLOCK_N, SB)
+            q0, q1, q2, q3 = _four(tl.load(qp + 4 * j), BLOCK_N, SB)
             h0, h1 = hs[2 * j], hs[2 * j + 1]
             dsc0 = d * scs[2 * j].to(tl.float32)
             dsc1 = d * scs[2 * j + 1].to(tl.float32)
@@ -486,21 +499,21 @@ def _q6_k_dp4a(xq_ptr, s6_ptr, ql_ptr, qh_ptr, sc_ptr, d_ptr, b_ptr, y_ptr, M, N
             b0, b2 = _six(q2, h1 << 4)    # group 1
             b1, b3 = _six(q3, h1)
             words = (a0, a1, a2, a3, b0, b1, b2, b3)
-            acc0 = _q6_k_row(acc0, xp + m0 * KW, sp + m0 * KS, ok, words, scales, j, USE_ASM)
+            acc0 = _q6_k_row(acc0, xp + m0 * KW, sp + m0 * KS, words, scales, j, USE_ASM)
             if ROWS > 1:
-                acc1 = _q6_k_row(acc1, xp + x1 * KW, sp + x1 * KS, ok, words, scales, j, USE_ASM)
+                acc1 = _q6_k_row(acc1, xp + x1 * KW, sp + x1 * KS, words, scales, j, USE_ASM)
             if ROWS > 2:
-                acc2 = _q6_k_row(acc2, xp + x2 * KW, sp + x2 * KS, ok, words, scales, j, USE_ASM)
+                acc2 = _q6_k_row(acc2, xp + x2 * KW, sp + x2 * KS, words, scales, j, USE_ASM)
             if ROWS > 3:
-                acc3 = _q6_k_row(acc3, xp + x3 * KW, sp + x3 * KS, ok, words, scales, j, USE_ASM)
+                acc3 = _q6_k_row(acc3, xp + x3 * KW, sp + x3 * KS, words, scales, j, USE_ASM)
             if ROWS > 4:
-                acc4 = _q6_k_row(acc4, xp + x4 * KW, sp + x4 * KS, ok, words, scales, j, USE_ASM)
+                acc4 = _q6_k_row(acc4, xp + x4 * KW, sp + x4 * KS, words, scales, j, USE_ASM)
             if ROWS > 5:
-                acc5 = _q6_k_row(acc5, xp + x5 * KW, sp + x5 * KS, ok, words, scales, j, USE_ASM)
+                acc5 = _q6_k_row(acc5, xp + x5 * KW, sp + x5 * KS, words, scales, j, USE_ASM)
             if ROWS > 6:
-                acc6 = _q6_k_row(acc6, xp + x6 * KW, sp + x6 * KS, ok, words, scales, j, USE_ASM)
+                acc6 = _q6_k_row(acc6, xp + x6 * KW, sp + x6 * KS, words, scales, j, USE_ASM)
             if ROWS > 7:
-                acc7 = _q6_k_row(acc7, xp + x7 * KW, sp + x7 * KS, ok, words, scales, j, USE_ASM)
+                acc7 = _q6_k_row(acc7, xp + x7 * KW, sp + x7 * KS, words, scales, j, USE_ASM)
     store_rows(tl.sum(acc0, axis=1), tl.sum(acc1, axis=1), tl.sum(acc2, axis=1), tl.sum(acc3, axis=1),
                tl.sum(acc4, axis=1), tl.sum(acc5, axis=1), tl.sum(acc6, axis=1), tl.sum(acc7, axis=1),
                y_ptr + part * P_STRIDE + rows, live, m0, M, Y_STRIDE, ROWS, HAS_BIAS, b_ptr + rows, False)
