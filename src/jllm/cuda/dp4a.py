@@ -313,6 +313,11 @@ def _x_row(r, M):
     return tl.minimum(r, M - 1)
 
 
+# _descending: a step's SB super-blocks are taken last first, so that no index of a step is consecutive along
+# them and Triton lays the per-super-block loads (d, dmin: [BN, SB]) out as the weight words' tiles, a thread
+# an output's super-block; ascending, Triton 3.6 vectorized them along SB and exchanged them through shared
+# memory every step (benchmarks/cuda_sass.py: BAR, STS, LDS in the loop).
+
 # _in_bounds: a ragged tile (outputs past N, super-blocks past the share's end) loads no masked values: its
 # outputs and super-blocks are clamped to the last ones (in bounds) and their d (and dmin) set to 0, so every
 # term they add is 0 (d * scale = 0 times a finite chain, dx, bsx): the loads of a ragged step are those of an
@@ -350,7 +355,7 @@ def _q4_k_dp4a(xq_ptr, s4_ptr, qs_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, b_ptr, y
     nn = rows
     if not EVEN:
         nn = tl.minimum(rows, N - 1)      # in bounds (see _in_bounds)
-    c = tl.arange(0, SB)
+    c = (SB - 1) - tl.arange(0, SB)       # a step's super-blocks, last first (_descending)
     t = tl.arange(0, 4)
     j8 = tl.arange(0, 8)
     acc0 = tl.zeros((BLOCK_N, SB), dtype=tl.float32)      # one sum per row (jllm.cuda.rows)
@@ -454,7 +459,7 @@ def _q6_k_dp4a(xq_ptr, s6_ptr, ql_ptr, qh_ptr, sc_ptr, d_ptr, b_ptr, y_ptr, M, N
     nn = rows
     if not EVEN:
         nn = tl.minimum(rows, N - 1)      # in bounds (see _in_bounds)
-    c = tl.arange(0, SB)
+    c = (SB - 1) - tl.arange(0, SB)       # a step's super-blocks, last first (_descending)
     t = tl.arange(0, 4)
     acc0 = tl.zeros((BLOCK_N, SB), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_N, SB), dtype=tl.float32)
