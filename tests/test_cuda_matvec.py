@@ -58,16 +58,26 @@ def test_layout_is_near_the_files_size_and_checks_its_input(kind):
         build(raw[:-1], (n, k))
 
 
+def rel_tol(x, w) -> float:
+    """A product's tolerance against float64, relative to its largest output: float32 accumulation, or x's 8
+    bits where the dp4a kernels take w (JLLM_MATVEC_DP4A; jllm.cuda.dp4a: ~0.5 % rms)."""
+    import jllm.cuda.dp4a as dp4a
+
+    return 2e-2 if dp4a.handles(x, w) else 1e-4
+
+
 @pytest.mark.parametrize("kind", list(TYPES), ids=lambda t: t.name)
 @pytest.mark.parametrize("n,k", [(40, 512), (16, 256), (8, 768)])       # 768: an odd count of super-blocks
 def test_matvec_matches_the_cpu_dequantization(kind, n, k):
     raw = random_blocks(kind, n, k, seed=n)
     ref_w = dequantize(raw.numpy(), kind, (n, k)).double()
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(1))
-    y = matvec(x.to(DEV), TYPES[kind][0](raw, (n, k), DEV), block_n=16).cpu()
+    w = TYPES[kind][0](raw, (n, k), DEV)
+    y = matvec(x.to(DEV), w, block_n=16 if rel_tol(x, w) < 1e-3 else None).cpu()
     want = x.double() @ ref_w.T
     assert y.shape == (3, n) and y.dtype == torch.float32
-    assert torch.allclose(y.double(), want, rtol=1e-5, atol=1e-4 * want.abs().max().item())
+    tol = rel_tol(x, w)
+    assert torch.allclose(y.double(), want, rtol=tol / 10, atol=tol * want.abs().max().item())
 
 
 @pytest.mark.parametrize("kind", [T.Q4_K, T.Q6_K, T.Q8_0], ids=lambda t: t.name)
@@ -124,14 +134,16 @@ def test_a_row_summed_in_shares_is_the_whole_rows_sum_and_stays_its_own(kind, sp
     w = TYPES[kind][0](raw, (n, k), DEV)
     x = torch.randn(4, k, generator=torch.Generator().manual_seed(8)).to(DEV)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(9)).to(DEV)
-    whole = matvec(x, w, block_n=8, sb=1, split=1, bias=bias)
-    shared = matvec(x, w, block_n=8, sb=1, split=split, bias=bias)
+    bn, sb = (8, 1) if rel_tol(x, w) < 1e-3 else (32, 1)          # dp4a: a thread a super-block at least
+    whole = matvec(x, w, block_n=bn, sb=sb, split=1, bias=bias)
+    shared = matvec(x, w, block_n=bn, sb=sb, split=split, bias=bias)
     want = x.double().cpu() @ dequantize(raw.numpy(), kind, (n, k)).double().T + bias.double().cpu()
-    assert torch.allclose(shared.double().cpu(), want, rtol=1e-5, atol=1e-4 * want.abs().max().item())
+    tol = rel_tol(x, w)
+    assert torch.allclose(shared.double().cpu(), want, rtol=tol / 10, atol=tol * want.abs().max().item())
     # the shares add in another order than one running sum: float32 rounding of the largest outputs' size
     assert torch.allclose(shared, whole, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     for i in range(4):
-        assert torch.equal(matvec(x[i:i + 1], w, block_n=8, sb=1, split=split, bias=bias), shared[i:i + 1])
+        assert torch.equal(matvec(x[i:i + 1], w, block_n=bn, sb=sb, split=split, bias=bias), shared[i:i + 1])
 
 
 @pytest.mark.parametrize("kind", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
@@ -142,9 +154,12 @@ def test_every_setting_a_sweep_may_pick_gives_the_same_products(kind, block_n, s
     w = TYPES[kind][0](raw, (n, k), DEV)
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(12)).to(DEV)
     want = x.double().cpu() @ dequantize(raw.numpy(), kind, (n, k)).double().T
+    tol = rel_tol(x, w)
+    if tol > 1e-3 and block_n * sb < 32:
+        pytest.skip("the dp4a kernels take a thread an output's super-block: block_n x sb >= 32")
     for split in (1, 3):
         y = matvec(x, w, block_n=block_n, sb=sb, split=split, stages=stages).double().cpu()
-        assert torch.allclose(y, want, rtol=1e-5, atol=1e-4 * want.abs().max().item()), (split, block_n, sb)
+        assert torch.allclose(y, want, rtol=tol / 10, atol=tol * want.abs().max().item()), (split, block_n, sb)
 
 
 def test_a_type_the_32_value_layout_does_not_hold_is_refused():
@@ -298,7 +313,7 @@ def test_a_long_pass_multiplies_over_the_dequantized_matrix():
     long = lin(x)
     rows = torch.cat([lin(x[i:i + 1]) for i in range(x.shape[0])])
     assert not torch.equal(long, rows)                                 # another path
-    assert ((long - rows).abs().max() / rows.abs().max()).item() < 3e-3
+    assert ((long - rows).abs().max() / rows.abs().max()).item() < max(3e-3, rel_tol(x[:1], parts[0]))
 
 
 def test_q4_k_rows_on_the_device_are_the_cpus_dequantized_rows_bit_for_bit():
