@@ -1,9 +1,10 @@
 """The small operations of a GPU layer fused into single Triton kernels (issue 23): a decode step is hundreds
 of launches, and the profile (benchmarks/cuda_profile.py) put the norms, RoPE, the cache writes and the adds at
-a third of its kernels' time before these. Each kernel works row by row, one program a row (or a row's head),
-so a row's result never depends on the other rows of its call, as everywhere in the blocks precision.
+a third of its kernels' time before these. Each kernel works row by row, one program a row (or a row's head,
+or a part of a row), so a row's result never depends on the other rows of its call, as everywhere in the blocks
+precision.
 
-    rms_norm(x, w, eps)                    one program a row
+    rms_norm(x, w, eps)                    one program a row (with prep: a row and super-block)
     add_rms_norm(x, a, w, eps)             x + a, and its norm: the residual add and the next norm in one pass
     rope_store(qk, v, pos, cos, sin, ...)  RoPE on q and k, k and v written into the cache at pos: q out
     glu(gu, gelu)                          silu(gate) * up (or GELU's tanh form): half the columns out
