@@ -1,16 +1,20 @@
 """The small operations of a GPU layer fused into single Triton kernels (issue 23): a decode step is hundreds
 of launches, and the profile (benchmarks/cuda_profile.py) put the norms, RoPE, the cache writes and the adds at
-a third of its kernels' time before these. Each kernel works row by row, one program a row (or a row's head),
-so a row's result never depends on the other rows of its call, as everywhere in the blocks precision.
+a third of its kernels' time before these. Each kernel works row by row, one program a row (or a row's head,
+or a part of a row), so a row's result never depends on the other rows of its call, as everywhere in the blocks
+precision.
 
-    rms_norm(x, w, eps)                    one program a row
+    rms_norm(x, w, eps)                    one program a row (with prep: a row and super-block)
     add_rms_norm(x, a, w, eps)             x + a, and its norm: the residual add and the next norm in one pass
     rope_store(qk, v, pos, cos, sin, ...)  RoPE on q and k, k and v written into the cache at pos: q out
     glu(gu, gelu)                          silu(gate) * up (or GELU's tanh form): half the columns out
 
 The norms and the GLU also make their output ready for the products over it when given `prep`
 (jllm.cuda.ready.empty: the tensor cores' f16 halves, the dp4a kernels' int8 codes), so that no launch of its
-own does it.
+own does it. Then a program prepares one super-block of 256 values (each a reduction and its stores), so that a
+row's super-blocks are prepared side by side rather than one after another in its one program: the norm runs a
+program a (row, super-block), each summing the whole row as the one program a row does (h bitwise the same) and
+storing its own super-block of it; the GLU runs blocks of 256.
 """
 
 from __future__ import annotations
@@ -29,25 +33,35 @@ def _rms_norm(x_ptr, a_ptr, w_ptr, xo_ptr, h_ptr, D, eps, xh4, xl4, sh, sl, xh6,
     r = tl.program_id(0)
     i = tl.arange(0, BLOCK)
     live = i < D
+    own = live
+    if Q4 or Q6 or I4 or I6:             # a program a super-block (program_id 1): the whole row's sum, its own stores
+        own = live & (i // 256 == tl.program_id(1))
     x = tl.load(x_ptr + r * D + i, mask=live, other=0.0)
     if HAS_ADD:
         x += tl.load(a_ptr + r * D + i, mask=live, other=0.0)
-        tl.store(xo_ptr + r * D + i, x, mask=live)
+        tl.store(xo_ptr + r * D + i, x, mask=own)
     ms = tl.sum(x * x, axis=0) / D
     w = tl.load(w_ptr + i, mask=live, other=0.0)
-    tl.store(h_ptr + r * D + i, x * tl.rsqrt(ms + eps) * w, mask=live)
-    if Q4 or Q6 or I4 or I6:             # the row again, as stored, for the products over it (jllm.cuda.ready)
+    tl.store(h_ptr + r * D + i, x * tl.rsqrt(ms + eps) * w, mask=own)
+    if Q4 or Q6 or I4 or I6:             # its super-block again, as stored, for the products over it (jllm.cuda.ready)
         tl.debug_barrier()               # this program's stores, seen by all its threads
-        for kb in range(D // 256):
-            prep_block(h_ptr, r, kb, D, xh4, xl4, sh, sl, xh6, xl6, inv, xq4, s4, xq6, s6, Q4, Q6, I4, I6, USE_ASM)
+        prep_block(h_ptr, r, tl.program_id(1), D, xh4, xl4, sh, sl, xh6, xl6, inv, xq4, s4, xq6, s6, Q4, Q6, I4, I6,
+                   USE_ASM)
 
 
 def _norm(x: torch.Tensor, a: torch.Tensor | None, w: torch.Tensor, eps: float, prep: Ready | None):
     x = x.contiguous()
+    T, D = x.shape
     xo, h = (x if a is None else torch.empty_like(x)), torch.empty_like(x)
+    if prep is not None and D % 256:
+        raise ValueError(f"the norm's rows of {D} values are not whole super-blocks of 256 to fill prep")
     ptrs, flags = prep.pointers(h) if prep is not None else none_ready(h)
-    _rms_norm[(x.shape[0],)](x, x if a is None else a.contiguous(), w, xo, h, x.shape[1], eps, *ptrs,
-                             HAS_ADD=a is not None, BLOCK=triton.next_power_of_2(x.shape[1]), **flags)
+    # With prep a row's super-blocks are prepared side by side, a program each (each sums the whole row, the same
+    # code on the same shape as the one program a row without prep, so h is bitwise the same); without, a row a
+    # program.
+    grid = (T, D // 256) if prep is not None else (T,)
+    _rms_norm[grid](x, x if a is None else a.contiguous(), w, xo, h, D, eps, *ptrs,
+                    HAS_ADD=a is not None, BLOCK=triton.next_power_of_2(D), **flags)
     return xo, h
 
 
@@ -134,13 +148,17 @@ def _glu(gu_ptr, o_ptr, F, xh4, xl4, sh, sl, xh6, xl6, inv, xq4, s4, xq6, s6, GE
             prep_block(o_ptr, r, kb, F, xh4, xl4, sh, sl, xh6, xl6, inv, xq4, s4, xq6, s6, Q4, Q6, I4, I6, USE_ASM)
 
 
-def glu(gu: torch.Tensor, gelu: bool, block: int = 1024, prep: Ready | None = None) -> torch.Tensor:
-    """gu [T, 2F] (gate | up) float32 -> act(gate) * up [T, F] (and `prep` filled from it; block a multiple of
-    256 then)."""
+def glu(gu: torch.Tensor, gelu: bool, block: int | None = None, prep: Ready | None = None) -> torch.Tensor:
+    """gu [T, 2F] (gate | up) float32 -> act(gate) * up [T, F] (and `prep` filled from it). block: the values a
+    program; by default 1024, or 256 with prep (a program a super-block, so a row's preparation spreads over
+    F / 256 programs rather than running a program's super-blocks one after another); a multiple of 256 with
+    prep."""
     gu = gu.contiguous()
     T, f = gu.shape[0], gu.shape[1] // 2
+    if block is None:
+        block = 256 if prep is not None else 1024
     if prep is not None and block % 256:
-        raise ValueError(f"glu's block {block} must be a multiple of 256 to fill prep (a program a super-block)")
+        raise ValueError(f"glu's block {block} must be a multiple of 256 to fill prep (whole super-blocks a program)")
     out = torch.empty(T, f, dtype=torch.float32, device=gu.device)
     ptrs, flags = prep.pointers(out) if prep is not None else none_ready(out)
     _glu[(T, triton.cdiv(f, block))](gu, out, f, *ptrs, GELU=gelu, BLOCK=block, **flags)
