@@ -26,17 +26,15 @@
 # ROWS="8 1": bench and spec once per JLLM_MATVEC_ROWS value (rows of x a matvec program; 1: a program a row).
 # MMA="0 1 dp4a": tests, profile, bench and spec once per kernel choice (`kern` below: 1 the tensor-core
 # kernels, jllm.cuda.mma; q4_k: Q4_K's only, Q6_K's on the float kernels; dp4a: int8 x and dp4a,
-# jllm.cuda.dp4a, dp4a:q4_k for Q4_K's only). The next lease after session 28, in this order:
-#   MMA=0 bash benchmarks/cuda_lease.sh bench profile          (first: session 28's decode, 466 chained under 3.9,
-#                                                               against 571 in session 24 under 3.6: which costs it)
-#   MMA="q4_k" bash benchmarks/cuda_lease.sh tests bench      (the image's Triton 3.6: exactness, then decode and
-#                                                               verify rows with Q4_K alone on the tensor cores)
-#   TRITON_DEFAULT_FP_FUSION=0 MMA="0 q4_k" bash benchmarks/cuda_lease.sh triton39 tests bench   (5 `keep` calls
-#       first: does 3.9 keep the CUDA-core rows their own without contracted multiply-adds, and at what speed?)
-#   then the real model and head: MODEL=... HEAD=... MMA="q4_k 1" ROUNDS="0 3" ... spec
+# jllm.cuda.dp4a, dp4a:q4_k for Q4_K's only). The next lease after session 29, in this order:
+#   MMA="0 dp4a" bash benchmarks/cuda_lease.sh dp4a bench profile   (the dp4a sweep's best settings feed bench and
+#                       profile; the norm's and the GLU's x preparation now spread over a program a super-block)
+#   MMA="dp4a" ROUNDS="0 3" bash benchmarks/cuda_lease.sh rounds    (a round's cost with a random head)
+#   then the real model and head: MODEL=... HEAD=... MMA="0 dp4a" ROUNDS="0 3" ... spec llamacpp
 # mma: the matvec sweep of the tensor-core kernels (outputs a program, shares of a row) at 1, 4 and 16 rows,
 # beside the CUDA-core kernels at their settings.
-# dp4a: the same sweep of the dp4a kernels (int8 x, jllm.cuda.dp4a) at 1, 4 and 8 rows.
+# dp4a: the same sweep of the dp4a kernels (int8 x, jllm.cuda.dp4a) at 1, 4 and 8 rows; its best setting for
+# each shape goes to $OUT/best_dp4a.json, which profile and bench then run dp4a choices under.
 # build: only start llama.cpp's build (from the first call, so that it is done when `llamacpp` runs).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -97,19 +95,22 @@ if want mma; then
     | tee "$OUT/matvec_cores.log"
 fi
 if want dp4a; then                    # the dp4a kernels' sweep (jllm.cuda.dp4a) at decode's and verify's rows
-  JLLM_MATVEC_MMA=0 JLLM_MATVEC_DP4A=1 python3 benchmarks/cuda_matvec.py --rows 1 4 8 --block-n 8 16 32 64 --sb 1 2 \
-    --split 1 5 7 --reps 50 --all 2>&1 | tee "$OUT/matvec_dp4a.log"
+  JLLM_MATVEC_MMA=0 JLLM_MATVEC_DP4A=1 python3 benchmarks/cuda_matvec.py --rows 1 4 8 --block-n 16 32 64 128 \
+    --sb 1 2 --split 1 3 6 --short-split --reps 50 --all --best "$OUT/best_dp4a.json" 2>&1 | tee "$OUT/matvec_dp4a.log"
 fi
 RUN="python3 benchmarks/cuda_tuned.py $OUT/best.json"
 [ -f "$OUT/best.json" ] || RUN="python3 benchmarks/cuda_tuned.py /dev/null"
+RUN_DP4A="python3 benchmarks/cuda_tuned.py $OUT/best_dp4a.json"      # the dp4a sweep's choice, for dp4a runs
+[ -f "$OUT/best_dp4a.json" ] || RUN_DP4A="python3 benchmarks/cuda_tuned.py /dev/null"
+runner() { case $1 in dp4a*) echo "$RUN_DP4A";; *) echo "$RUN";; esac; }
 if [ -z "$ARGS" ] || want profile; then
   for t in $MMA; do
-    env $(kern $t) $RUN --script benchmarks/cuda_profile.py $S15 --rows 1 4 2>&1 | tee "$OUT/profile_mma${t/:/-}.log"
+    env $(kern $t) $(runner $t) --script benchmarks/cuda_profile.py $S15 --rows 1 4 2>&1 | tee "$OUT/profile_mma${t/:/-}.log"
   done
 fi
 if [ -z "$ARGS" ] || want bench; then
   for t in $MMA; do for r in $ROWS; do
-    env $(kern $t) JLLM_MATVEC_ROWS=$r $RUN bench -m $S15 --device cuda --precision blocks \
+    env $(kern $t) JLLM_MATVEC_ROWS=$r $(runner $t) bench -m $S15 --device cuda --precision blocks \
       --json "$OUT/bench_${TAG}_r${r}_mma${t/:/-}.json" 2>&1 | tee "$OUT/bench_${TAG}_r${r}_mma${t/:/-}.log"
   done; done
 fi
