@@ -108,11 +108,11 @@ def main() -> None:
             lines = []
             splits = a.split if kind in (T.Q4_K, T.Q6_K) and (k >= 4096 or a.short_split) else [1]   # long rows
             stages = a.stages if kind in (T.Q4_K, T.Q6_K) else [1]
+            ints = dp4a.handles(x, w)                          # the dp4a kernels: x's 8 bits in the products
             for bn, sb, sp, st in itertools.product(a.block_n, sbs, splits, stages):
-                if dp4a.handles(x, w) and bn * sb < 32:       # dp4a: a thread an output's super-block at least
+                if ints and bn * sb < 32:                       # dp4a: a thread an output's super-block at least
                     continue
-                err = wrong(matvec(x, w, block_n=bn, sb=sb, split=sp, stages=st), want,
-                            3e-2 if dp4a.handles(x, w) else 1e-4)
+                err = wrong(matvec(x, w, block_n=bn, sb=sb, split=sp, stages=st), want, 3e-2 if ints else 1e-4)
                 if err is not None:
                     print(f"{name:<22} {n:>6} x {k:<5} {m:>4} {bn:>7} {sb:>3} {sp:>5} {st:>6} WRONG ({err})")
                     continue

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from jllm.cuda.layout import QUERIES, chunk_size, n_chunks
-from jllm.cuda.ready import prep_block
+from jllm.cuda.ready import pointers, prep_block
 
 TILED = False     # the tiles' path for prefill: tested in the interpreter, not yet timed on a GPU
 BLOCK_M, BLOCK_N = 32, 32
@@ -194,7 +194,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int | torc
         if prep is None:
             _attention_combine[(n, H)](part, ml, out[s:], pos[s:], window, H, nch, **combine)
         else:                                # s is 0: one round of at most QUERIES queries
-            ptrs, flags = prep.pointers(out)
+            ptrs, flags = pointers(prep, out)
             _attention_combine_prep[(n, H * hd // 256)](part, ml, out, pos, window, H, nch, *ptrs, **combine,
                                                          **flags)
     return out.view(T, H * hd)

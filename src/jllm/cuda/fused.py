@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from jllm.cuda.ready import Ready, none_ready, prep_block
+from jllm.cuda.ready import Ready, pointers, prep_block
 
 
 @triton.jit
@@ -55,7 +55,7 @@ def _norm(x: torch.Tensor, a: torch.Tensor | None, w: torch.Tensor, eps: float, 
     xo, h = (x if a is None else torch.empty_like(x)), torch.empty_like(x)
     if prep is not None and D % 256:
         raise ValueError(f"the norm's rows of {D} values are not whole super-blocks of 256 to fill prep")
-    ptrs, flags = prep.pointers(h) if prep is not None else none_ready(h)
+    ptrs, flags = pointers(prep, h)
     # With prep a row's super-blocks are prepared side by side, a program each (each sums the whole row, the same
     # code on the same shape as the one program a row without prep, so h is bitwise the same); without, a row a
     # program.
@@ -160,6 +160,6 @@ def glu(gu: torch.Tensor, gelu: bool, block: int | None = None, prep: Ready | No
     if prep is not None and block % 256:
         raise ValueError(f"glu's block {block} must be a multiple of 256 to fill prep (whole super-blocks a program)")
     out = torch.empty(T, f, dtype=torch.float32, device=gu.device)
-    ptrs, flags = prep.pointers(out) if prep is not None else none_ready(out)
+    ptrs, flags = pointers(prep, out)
     _glu[(T, triton.cdiv(f, block))](gu, out, f, *ptrs, GELU=gelu, BLOCK=block, **flags)
     return out

@@ -27,23 +27,15 @@ class Ready:
     mma: mma.Prepared | None
     dp4a: dp4a.Prepared | None
 
-    def pointers(self, fallback: torch.Tensor) -> tuple[tuple, dict]:
-        """The eleven tensors prep_block writes (the tensor cores' seven, then dp4a's four; `fallback` where a
-        family is not asked for: its stores are compiled out) and its flags, for a producer's launch."""
-        if self.mma is not None:
-            a, q4, q6 = self.mma.pointers()
-        else:
-            a, q4, q6 = (fallback,) * 7, False, False
-        if self.dp4a is not None:
-            b, i4, i6 = self.dp4a.pointers()
-        else:
-            b, i4, i6 = (fallback,) * 4, False, False
-        return (*a, *b), dict(Q4=q4, Q6=q6, I4=i4, I6=i6, USE_ASM=ASM)
 
-
-def none_ready(fallback: torch.Tensor) -> tuple[tuple, dict]:
-    """A producer's arguments when nothing is to be made ready."""
-    return (fallback,) * 11, dict(Q4=False, Q6=False, I4=False, I6=False, USE_ASM=ASM)
+def pointers(prep: Ready | None, fallback: torch.Tensor) -> tuple[tuple, dict]:
+    """A producer's arguments: the eleven tensors prep_block writes (the tensor cores' seven, then dp4a's four;
+    `fallback` where a family is not asked for, or prep is None: its stores are compiled out) and its flags."""
+    cores = prep.mma if prep is not None else None
+    ints = prep.dp4a if prep is not None else None
+    a, q4, q6 = cores.pointers() if cores is not None else ((fallback,) * 7, False, False)
+    b, i4, i6 = ints.pointers() if ints is not None else ((fallback,) * 4, False, False)
+    return (*a, *b), dict(Q4=q4, Q6=q6, I4=i4, I6=i6, USE_ASM=ASM)
 
 
 def _families(x: torch.Tensor, parts) -> tuple[list, list]:
