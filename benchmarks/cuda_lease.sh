@@ -31,6 +31,8 @@
 #                       profile; the norm's and the GLU's x preparation now spread over a program a super-block)
 #   MMA="dp4a" ROUNDS="0 3" bash benchmarks/cuda_lease.sh rounds    (a round's cost with a random head)
 #   then the real model and head: MODEL=... HEAD=... MMA="0 dp4a" ROUNDS="0 3" ... spec llamacpp
+#   (benchmarks/lease_bg.sh runs these as background jobs, one after another, while the calls that carry the
+#   target's pieces go on: its header lists the calls)
 # mma: the matvec sweep of the tensor-core kernels (outputs a program, shares of a row) at 1, 4 and 16 rows,
 # beside the CUDA-core kernels at their settings.
 # dp4a: the same sweep of the dp4a kernels (int8 x, jllm.cuda.dp4a) at 1, 4 and 8 rows; its best setting for
