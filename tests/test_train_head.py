@@ -174,7 +174,7 @@ def _reference_ttt(head, feats, ids, lengths, reply_start, target_logits, target
 
 def test_ttt_loss_equals_the_plain_formula(target):
     """The TTT loss, its gradients, and each step's loss and agreement are those of the plain formula (the
-    trainer reads the targets as views and scores only the rows that have a token to draft)."""
+    trainer gathers the rows whose token is a reply token and scores only those)."""
     tg, _, _ = target
     torch.manual_seed(0)
     c = HeadConfig.for_target(tg.cfg, 48, ffn=96, layers=(2, 4, 5))

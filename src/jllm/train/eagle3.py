@@ -174,29 +174,32 @@ class Eagle3Head(nn.Module):
         t2d = torch.zeros(self.c.target_vocab, dtype=torch.bool, device=ids.device)
         t2d[self.d2t] = True
         T = ids.shape[1]
-        pos = torch.arange(T, device=ids.device)
-        # Step j's row t drafts token t + 2 + j against the target's distribution at row t + 1 + j: the same
-        # tensors read 1 + j rows on, as views (one softmax for all steps, one saved for the backward pass,
-        # where shifted copies made and kept one a step), and only the rows that have such a token are scored.
-        target_p = torch.softmax(target_logits.float(), dim=-1)             # [B, T, Vd]
-        countable = t2d[target_top]                                          # the target's top token is draftable
+        # Every step drafts the same tokens: step j's row t0 - j drafts token t0 + 2 (from a chain begun j rows
+        # before t0 + 1), against the target's distribution at row t0 + 1. So the rows whose token is a reply
+        # token are found once (one read back a batch: their count) and each step scores only those, gathered:
+        # the output matrix, the softmax and the loss run over the reply rows alone, not over the prompt and
+        # the padding as well, and the target's distribution is made once for all steps.
+        pred = torch.arange(T, device=ids.device)[None, :] + 2
+        b, t0 = ((pred < lengths[:, None]) & (pred >= reply_start[:, None])).nonzero(as_tuple=True)
+        target_p = torch.softmax(target_logits[b, t0 + 1].float(), dim=-1)   # [R, Vd]
+        top = target_top[b, t0 + 1]                                          # [R]
+        countable = t2d[top]                                                 # the target's top token is draftable
         total = feats.new_zeros((), dtype=torch.float32)
         scores = []
         for j, h in enumerate(self.unroll(feats, ids, steps)):
-            n = T - 1 - j
-            if n <= 0:
+            if j > T - 3:                          # no row has a token j + 2 on (t0 <= T - 3)
                 scores.append(torch.zeros(3, device=ids.device))
                 continue
-            logp = torch.log_softmax(self.logits(h[:, :n]), dim=-1, dtype=torch.float32)    # [B, n, Vd]
-            pred = pos[None, :n] + 2 + j                                       # the token predicted
-            reply = (pred < lengths[:, None]) & (pred >= reply_start[:, None])
-            mask = reply & countable[:, 1 + j:]
-            ce = -(target_p[:, 1 + j:] * logp).sum(-1)                         # [B, n]
+            t = t0 - j
+            live = t >= 0                          # the chain begins inside the sequence
+            logp = torch.log_softmax(self.logits(h[b, t.clamp(min=0)]), dim=-1, dtype=torch.float32)  # [R, Vd]
+            mask = live & countable
+            ce = -(target_p * logp).sum(-1)                                    # [R]
             loss = (ce * mask).sum() / mask.sum().clamp(min=1)
             total = total + decay ** j * loss
             with torch.no_grad():
-                hit = (self.d2t[logp.argmax(-1)] == target_top[:, 1 + j:]) & reply
-                scores.append(torch.stack([loss.detach().float(), hit.sum().float(), reply.sum().float()]))
+                hit = (self.d2t[logp.argmax(-1)] == top) & live
+                scores.append(torch.stack([loss.detach().float(), hit.sum().float(), live.sum().float()]))
         # read back once a batch, not twice a step: each read waits for the GPU to finish all before it
         rows = torch.stack(scores).tolist()
         losses = [r[0] for r in rows]
