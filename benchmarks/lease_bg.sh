@@ -15,8 +15,9 @@
 #           poll every 5 s until every job has ended or SECONDS (500) have passed, then poll once more.
 # L is /tmp/L unless LEASE_DIR says otherwise (the tests run it on the CPU with a fake command).
 # The calls for issue 23 (benchmarks/cuda_lease.sh's header says what each step measures):
-#   1. carry .whl and .xfer/lcpp.tar.xz:
-#      bash benchmarks/lease_bg.sh start syn MMA="0 dp4a" -- bash benchmarks/cuda_lease.sh build dp4a profile bench
+#   1. carry .whl, .xfer/lcpp.tar.xz and .xfer/eagle3_old.py (issue 26's training step before and after a change):
+#      bash benchmarks/lease_bg.sh start syn MMA="0 dp4a" -- bash benchmarks/cuda_lease.sh build dp4a profile bench \
+#        trainstep
 #   2. 20 calls, each carrying one piece (training/gpu.sh's header): bash training/gpu.sh recv NN && bash
 #      benchmarks/lease_bg.sh poll 1
 #   3. carrying .xfer/init.gguf (the head): bash training/gpu.sh keep init.gguf && bash training/gpu.sh setup SHA &&
