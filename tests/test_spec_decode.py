@@ -326,3 +326,26 @@ def test_side_leaves_with_a_real_draft_keep_the_output(paths, no_end_of_turn):
     assert len(out.token_ids) == 64 and out.token_ids == ref.token_ids
     assert out.spec_stats.as_dict()["leaves"] > 0
     assert spec.target.ids == plain.target.ids
+
+
+def test_the_corpus_bench_runs_greedy_or_sampled(paths, no_end_of_turn, capsys):
+    """`jllm bench --spec` on two corpus prompts: greedy, speculation's output is the plain run's; with --temp,
+    both runs sample from one seed, the table drops the identical column and the result records how."""
+    from jllm.spec.bench import print_summary, run_corpus
+
+    eng = Engine(paths["target"], ctx_size=2048, threads=1, draft_path=paths["target"], precision="native",
+                 spec=SpecConfig(mode="draft", p_min=0.0, draft_precision="native"))   # the corpus's prompts
+    greedy = run_corpus(eng, eng.spec, limit=2, log=lambda s: None, params=SamplingParams(max_tokens=24))
+    g = greedy["categories"]["ALL"]
+    assert g["prompts"] == 2 and g["identical"] == 2 and g["alpha"] > 0.9    # the draft is the target
+    print_summary(greedy)
+    assert "identical" in capsys.readouterr().out
+    sampled = run_corpus(eng, eng.spec, limit=2, log=lambda s: None,
+                         params=SamplingParams(temperature=0.8, seed=5, max_tokens=24))
+    s = sampled["categories"]["ALL"]
+    assert sampled["sampling"]["temperature"] == 0.8 and sampled["sampling"]["seed"] == 5
+    assert all(r["spec_tokens"] == 24 and r["tokens"] == 24 for r in sampled["prompts"])
+    assert s["alpha"] > 0.9 and s["spec_tok_s"] > 0          # the same model's q and p: (nearly) all accepted
+    print_summary(sampled)
+    out = capsys.readouterr().out
+    assert "identical" not in out and "speedup" in out

@@ -655,6 +655,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--draft-tree", type=int, default=0, metavar="W")
     b.add_argument("-n", "--n-predict", type=int, default=128, help="tokens per prompt for --spec")
     b.add_argument("--limit", type=int, default=None, help="only the first N corpus prompts")
+    b.add_argument("--temp", type=float, default=0.0, help="--spec: sample at this temperature in both runs "
+                   "(0: greedy, the default, where the outputs must be identical)")
+    b.add_argument("--top-k", type=int, default=0, help="--spec with --temp")
+    b.add_argument("--top-p", type=float, default=1.0, help="--spec with --temp")
+    b.add_argument("--min-p", type=float, default=0.0, help="--spec with --temp")
+    b.add_argument("--seed", type=int, default=0, help="--spec with --temp: each prompt's runs start from it")
     b.add_argument("--wrong-draft", action="store_true",
                    help="--spec with a draft whose every proposal is wrong (at full draft cost): the worst case")
     b.add_argument("--multiturn", action="store_true",

@@ -1,5 +1,11 @@
-"""`jllm bench --spec`: the corpus (corpus.json) run greedy with and without speculation, same engine, same
-prompts, fixed max tokens; per category plain tok/s, speculative tok/s, speedup, acceptance, identical output.
+"""`jllm bench --spec`: the corpus (corpus.json) run with and without speculation, same engine, same prompts,
+fixed max tokens; per category plain tok/s, speculative tok/s, speedup, acceptance, identical output.
+
+Greedy by default, where speculation must give the plain run's output token for token. With --temp > 0 both
+runs sample (seeded, the same seed per prompt): speculative sampling draws its random numbers otherwise than
+plain sampling, so the outputs differ while following the same distribution (tests/test_spec_decode.py and
+tests/test_head_proposer.py check that by chi-squared tests); each run's tok/s counts its own tokens, and the
+identical column is left out.
 
 Each prompt is decoded plain first and then speculatively, from a cold cache both times. The draft model's
 prompt prefill is prompt time (Engine.stream runs it before the first token, as the target's own prefill),
@@ -32,13 +38,15 @@ def _run(eng, ids, params, spec):
     return res, (res.spec_stats.as_dict() if spec is not None else None)
 
 
-def run_corpus(eng, spec_cfg, max_tokens: int = 128, limit: int | None = None, log=print) -> dict:
-    params = SamplingParams(max_tokens=max_tokens)
+def run_corpus(eng, spec_cfg, max_tokens: int = 128, limit: int | None = None, log=print,
+               params: SamplingParams | None = None) -> dict:
+    """params: how both runs choose tokens (greedy unless given; max_tokens then comes from it)."""
+    params = params or SamplingParams(max_tokens=max_tokens)
     items = load_corpus()[:limit] if limit else load_corpus()
     if eng.device.type == "cuda":       # the GPU captures a CUDA graph per pass shape on first use: not timed
         warm = eng.chat_ids([{"role": "user", "content": "Write a short Python function that adds two numbers."}])
         for cfg in (None, spec_cfg):
-            _run(eng, warm, SamplingParams(max_tokens=max_tokens), cfg)
+            _run(eng, warm, params, cfg)
     rows = []
     for item in items:
         ids = eng.chat_ids(item["messages"])
@@ -54,11 +62,12 @@ def run_corpus(eng, spec_cfg, max_tokens: int = 128, limit: int | None = None, l
             "draft_s": st["draft_ms"] / 1000, "verify_s": st["verify_ms"] / 1000,
         }
         rows.append(row)
+        same = ("identical" if row["identical"] else "DIFFERENT") if params.greedy else \
+            f"{row['spec_tokens']:>4} tok sampled"
         log(f"{item['id']:<28} {row['tokens']:>4} tok  plain {row['tokens'] / row['plain_s']:6.2f} tok/s  "
-            f"spec {row['spec_tokens'] / row['spec_s']:6.2f} tok/s  alpha {_alpha(row):.2f}  "
-            f"{'identical' if row['identical'] else 'DIFFERENT'}")
+            f"spec {row['spec_tokens'] / row['spec_s']:6.2f} tok/s  alpha {_alpha(row):.2f}  {same}")
     eng.spec = spec_cfg
-    return summarize(rows)
+    return {**summarize(rows), "sampling": dataclasses.asdict(params)}
 
 
 def _alpha(r: dict) -> float:
@@ -86,12 +95,13 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def print_summary(s: dict) -> None:
+    greedy = s.get("sampling", {}).get("temperature", 0.0) == 0.0      # sampled outputs are not compared
     print(f"\n{'category':<14} {'n':>3} {'plain tok/s':>12} {'spec tok/s':>11} {'speedup':>8} {'alpha':>6} "
-          f"{'mean acc':>9} {'identical':>10}")
+          f"{'mean acc':>9}" + (f" {'identical':>10}" if greedy else ""))
     for cat, a in s["categories"].items():
         print(f"{cat:<14} {a['prompts']:>3} {a['plain_tok_s']:>12.2f} {a['spec_tok_s']:>11.2f} "
-              f"{a['speedup']:>7.2f}x {a['alpha']:>6.2f} {a['mean_accepted']:>9.2f} "
-              f"{a['identical']:>5}/{a['prompts']}")
+              f"{a['speedup']:>7.2f}x {a['alpha']:>6.2f} {a['mean_accepted']:>9.2f}" +
+              (f" {a['identical']:>5}/{a['prompts']}" if greedy else ""))
 
 
 def make_draft_wrong(eng) -> None:
@@ -133,12 +143,16 @@ def run(a) -> int:
         if eng.draft_proposer is None:
             raise JllmError("--wrong-draft needs a draft model or head (-md)")
         make_draft_wrong(eng)
+    params = SamplingParams(temperature=a.temp, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p, seed=a.seed,
+                            max_tokens=a.n_predict)
     t0 = time.perf_counter()
-    s = run_corpus(eng, cfg, max_tokens=a.n_predict, limit=a.limit)
+    s = run_corpus(eng, cfg, limit=a.limit, params=params)
     print_summary(s)
     wrong = " (always wrong)" if wrong_draft else ""
+    how = "greedy" if params.greedy else f"sampled at temperature {a.temp} (top-k {a.top_k}, top-p {a.top_p}, " \
+        f"min-p {a.min_p}, seed {a.seed})"
     print(f"\n{eng.gguf.path.name} + {a.draft_model or 'no draft'}{wrong}, mode {mode}, precision {eng.precision}, "
-          f"max {a.n_predict} tokens, {time.perf_counter() - t0:.0f} s")
+          f"max {a.n_predict} tokens, {how}, {time.perf_counter() - t0:.0f} s")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"model": eng.gguf.path.name, "draft": a.draft_model, "mode": mode,
