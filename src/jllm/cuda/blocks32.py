@@ -112,8 +112,8 @@ def _blocks32_matvec(x_ptr, d_ptr, qs_ptr, qh_ptr, b_ptr, y_ptr, M, N, K, NB, Y_
                 acc6 += _row(x_ptr + tl.minimum(m0 + 6, M - 1) * K, at, lane >= 0, wd)
             if ROWS > 7:
                 acc7 += _row(x_ptr + tl.minimum(m0 + 7, M - 1) * K, at, lane >= 0, wd)
-    store_rows(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, y_ptr + rows, live, m0, M, Y_STRIDE, ROWS, HAS_BIAS,
-               b_ptr + rows, False)
+    store_rows((acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7), y_ptr + rows, live, m0, M, Y_STRIDE, ROWS,
+               HAS_BIAS, b_ptr + rows, False)
 
 
 def launch(x: torch.Tensor, w: Blocks32Weight, y: torch.Tensor, block_n: int, bias: torch.Tensor | None = None,

@@ -413,8 +413,8 @@ def _q4_k_dp4a(xq_ptr, s4_ptr, qs_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, b_ptr, y
                 acc6 = _q4_k_row(acc6, xp + x6 * KW, sp + x6 * KS, words, scales, j, USE_ASM)
             if ROWS > 7:
                 acc7 = _q4_k_row(acc7, xp + x7 * KW, sp + x7 * KS, words, scales, j, USE_ASM)
-    store_rows(tl.sum(acc0, axis=1), tl.sum(acc1, axis=1), tl.sum(acc2, axis=1), tl.sum(acc3, axis=1),
-               tl.sum(acc4, axis=1), tl.sum(acc5, axis=1), tl.sum(acc6, axis=1), tl.sum(acc7, axis=1),
+    store_rows((tl.sum(acc0, axis=1), tl.sum(acc1, axis=1), tl.sum(acc2, axis=1), tl.sum(acc3, axis=1),
+                tl.sum(acc4, axis=1), tl.sum(acc5, axis=1), tl.sum(acc6, axis=1), tl.sum(acc7, axis=1)),
                y_ptr + part * P_STRIDE + rows, live, m0, M, Y_STRIDE, ROWS, HAS_BIAS, b_ptr + rows, False)
 
 
@@ -519,8 +519,8 @@ def _q6_k_dp4a(xq_ptr, s6_ptr, ql_ptr, qh_ptr, sc_ptr, d_ptr, b_ptr, y_ptr, M, N
                 acc6 = _q6_k_row(acc6, xp + x6 * KW, sp + x6 * KS, words, scales, j, USE_ASM)
             if ROWS > 7:
                 acc7 = _q6_k_row(acc7, xp + x7 * KW, sp + x7 * KS, words, scales, j, USE_ASM)
-    store_rows(tl.sum(acc0, axis=1), tl.sum(acc1, axis=1), tl.sum(acc2, axis=1), tl.sum(acc3, axis=1),
-               tl.sum(acc4, axis=1), tl.sum(acc5, axis=1), tl.sum(acc6, axis=1), tl.sum(acc7, axis=1),
+    store_rows((tl.sum(acc0, axis=1), tl.sum(acc1, axis=1), tl.sum(acc2, axis=1), tl.sum(acc3, axis=1),
+                tl.sum(acc4, axis=1), tl.sum(acc5, axis=1), tl.sum(acc6, axis=1), tl.sum(acc7, axis=1)),
                y_ptr + part * P_STRIDE + rows, live, m0, M, Y_STRIDE, ROWS, HAS_BIAS, b_ptr + rows, False)
 
 

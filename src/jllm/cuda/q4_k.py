@@ -164,8 +164,8 @@ def _q4_k_matvec(x_ptr, qs_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, b_ptr, y_ptr, M
         if ROWS > 7:
             acc7 += _q4_k_row(x_ptr + tl.minimum(m0 + 7, M - 1) * K, xo, ok[:, None], f0, f1, f2, f3, f4, f5, f6, f7,
                               dsc, dmm)
-    store_rows(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, y_ptr + part * P_STRIDE + rows, live, m0, M,
-               Y_STRIDE, ROWS, HAS_BIAS, b_ptr + rows, True)
+    store_rows((acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7), y_ptr + part * P_STRIDE + rows, live, m0,
+               M, Y_STRIDE, ROWS, HAS_BIAS, b_ptr + rows, True)
 
 
 def launch(x: torch.Tensor, w: Q4KWeight, y: torch.Tensor, block_n: int, bias: torch.Tensor | None = None,
