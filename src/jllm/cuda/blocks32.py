@@ -18,7 +18,7 @@ import triton.language as tl
 from gguf import GGMLQuantizationType as T
 
 from jllm.cuda.layout import file_blocks, nbytes
-from jllm.cuda.rows import rows_a_program, store_rows
+from jllm.cuda.rows import each_row, row_sums, rows_a_program, store_rows, x_row
 
 KIND = {T.Q4_0: 0, T.Q5_0: 1, T.Q8_0: 2}          # the types held here, and the kernel's constexpr switch
 
@@ -56,10 +56,14 @@ class Blocks32Weight:
 
 
 @triton.jit
-def _row(x_ptr, at, ok, wd):
-    """One row's part of a half block: the weights' values wd [BN, 16] against x at `at` -> [BN]."""
+def _row(acc, R, ctx):
+    """The program's row R's part of a half block (jllm.cuda.rows), added to its sum acc; ctx: x_ptr, m0, M, K,
+    at, lane, wd: the weights' values wd [BN, 16] against x at `at`."""
+    x_ptr, m0, M, K, at, lane, wd = ctx
+    x_ptr += x_row(m0, R, M) * K
+    ok = lane >= 0
     x = tl.load(x_ptr + at, mask=ok, other=0.0).to(tl.float32)
-    return tl.sum(wd * x[None, :], axis=1)
+    return acc + tl.sum(wd * x[None, :], axis=1)
 
 
 @triton.jit
@@ -70,14 +74,7 @@ def _blocks32_matvec(x_ptr, d_ptr, qs_ptr, qh_ptr, b_ptr, y_ptr, M, N, K, NB, Y_
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     live = rows < N
     lane = tl.arange(0, 16)
-    acc0 = tl.zeros((BLOCK_N,), dtype=tl.float32)             # one sum a row
-    acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    acc3 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    acc4 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    acc5 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    acc6 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    acc7 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    accs = row_sums((BLOCK_N,))           # each row's sum
     for kb in range(0, NB):
         d = tl.load(d_ptr + rows * NB + kb, mask=live, other=0.0).to(tl.float32)
         if KIND != 2:
@@ -97,23 +94,8 @@ def _blocks32_matvec(x_ptr, d_ptr, qs_ptr, qh_ptr, b_ptr, y_ptr, M, N, K, NB, Y_
                     code = q.to(tl.float32) - 8.0
             wd = code * d[:, None]
             at = kb * 32 + h * 16 + lane
-            acc0 += _row(x_ptr + m0 * K, at, lane >= 0, wd)
-            if ROWS > 1:
-                acc1 += _row(x_ptr + tl.minimum(m0 + 1, M - 1) * K, at, lane >= 0, wd)
-            if ROWS > 2:
-                acc2 += _row(x_ptr + tl.minimum(m0 + 2, M - 1) * K, at, lane >= 0, wd)
-            if ROWS > 3:
-                acc3 += _row(x_ptr + tl.minimum(m0 + 3, M - 1) * K, at, lane >= 0, wd)
-            if ROWS > 4:
-                acc4 += _row(x_ptr + tl.minimum(m0 + 4, M - 1) * K, at, lane >= 0, wd)
-            if ROWS > 5:
-                acc5 += _row(x_ptr + tl.minimum(m0 + 5, M - 1) * K, at, lane >= 0, wd)
-            if ROWS > 6:
-                acc6 += _row(x_ptr + tl.minimum(m0 + 6, M - 1) * K, at, lane >= 0, wd)
-            if ROWS > 7:
-                acc7 += _row(x_ptr + tl.minimum(m0 + 7, M - 1) * K, at, lane >= 0, wd)
-    store_rows(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, y_ptr + rows, live, m0, M, Y_STRIDE, ROWS, HAS_BIAS,
-               b_ptr + rows, False)
+            accs = each_row(accs, _row, ROWS, (x_ptr, m0, M, K, at, lane, wd))
+    store_rows(accs, y_ptr + rows, live, m0, M, Y_STRIDE, ROWS, HAS_BIAS, b_ptr + rows, False)
 
 
 def launch(x: torch.Tensor, w: Blocks32Weight, y: torch.Tensor, block_n: int, bias: torch.Tensor | None = None,

@@ -61,7 +61,7 @@ import triton.language as tl
 from jllm.cuda.codes import ASM
 from jllm.cuda.q4_k import Q4KWeight
 from jllm.cuda.q6_k import Q6KWeight
-from jllm.cuda.rows import rows_a_program, store_rows
+from jllm.cuda.rows import each_row, row_sums, rows_a_program, store_rows, x_rows
 
 MAGIC = 0x4B400000          # the float 1.5 * 2^23: + an integer below 2^22 in magnitude, still exact
 _MAGIC: tl.constexpr = tl.constexpr(MAGIC)
@@ -307,12 +307,6 @@ def prepare(x: torch.Tensor, weights) -> Prepared:
 
 # ---- the products ----------------------------------------------------------------------------------------------
 
-@triton.jit
-def _x_row(r, M):
-    """Row r of a program's rows -> the row of x it reads (past M: the last, in bounds; not stored)."""
-    return tl.minimum(r, M - 1)
-
-
 # _descending: a step's SB super-blocks are taken last first, so that no index of a step is consecutive along
 # them and Triton lays the per-super-block loads (d, dmin: [BN, SB]) out as the weight words' tiles, a thread
 # an output's super-block; ascending, Triton 3.6 vectorized them along SB and exchanged them through shared
@@ -324,11 +318,17 @@ def _x_row(r, M):
 # even one, the x rows' too.
 
 @triton.jit
-def _q4_k_row(acc, xq, s4, words, scales, J: tl.constexpr, USE_ASM: tl.constexpr):
-    """One row's sub-block J of a step's super-blocks (its codes' words at xq [SB] + 8 J.., its (dx, bsx) at
-    s4 [SB] + 2 J) against the masked weight words [BN, SB] (words: l0..l3, h0..h3): one dp4a chain, then the
-    sub-block's float terms (scales: d * sc, -(d * sc) * 1.5 * 2^23, -(dmin * mn)) into acc [BN, SB]. The same
-    operations in the same order for every row (jllm.cuda.rows)."""
+def _q4_k_row(acc, R, ctx):
+    """The program's row R's sub-block J of a step's super-blocks (jllm.cuda.rows; ctx: xp, sp, KW, KS, xr,
+    words, scales, J, USE_ASM; its row of x r = xr[R]: its codes' words at xp [SB] + r KW + 8 J.., its (dx, bsx)
+    at sp [SB] + r KS + 2 J) against the masked weight words [BN, SB] (words: l0..l3, h0..h3): one dp4a chain,
+    then the sub-block's float terms (scales: d * sc, -(d * sc) * 1.5 * 2^23, -(dmin * mn)) into acc [BN, SB].
+    The same operations in the same order for every row."""
+    xp, sp, KW, KS, xr, words, scales, _, _ = ctx
+    J: tl.constexpr = ctx[7]
+    USE_ASM: tl.constexpr = ctx[8]
+    xq = xp + xr[R] * KW
+    s4 = sp + xr[R] * KS
     l0, l1, l2, l3, h0, h1, h2, h3 = words
     dsc, ndscm, ndmm = scales
     w = tl.load(xq[:, None] + (8 * J + tl.arange(0, 8))[None, :])
@@ -338,6 +338,13 @@ def _q4_k_row(acc, xq, s4, words, scales, J: tl.constexpr, USE_ASM: tl.constexpr
     dx, bsx = tl.split(tl.load(s4[:, None] + (2 * J + tl.arange(0, 2))[None, :]))
     acc = tl.fma(_times(c, dsc, ndscm, USE_ASM), dx[None, :], acc)
     return tl.fma(ndmm, bsx[None, :], acc)
+
+
+@triton.jit
+def _total(acc, R, ctx):
+    """A row's output (a step of each_row, for every row before any is stored): its sums [BN, SB] added over a
+    step's super-blocks."""
+    return tl.sum(acc, axis=1)
 
 
 @triton.jit
@@ -358,25 +365,12 @@ def _q4_k_dp4a(xq_ptr, s4_ptr, qs_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, b_ptr, y
     c = (SB - 1) - tl.arange(0, SB)       # a step's super-blocks, last first (_descending)
     t = tl.arange(0, 4)
     j8 = tl.arange(0, 8)
-    acc0 = tl.zeros((BLOCK_N, SB), dtype=tl.float32)      # one sum per row (jllm.cuda.rows)
-    acc1 = tl.zeros((BLOCK_N, SB), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_N, SB), dtype=tl.float32)
-    acc3 = tl.zeros((BLOCK_N, SB), dtype=tl.float32)
-    acc4 = tl.zeros((BLOCK_N, SB), dtype=tl.float32)
-    acc5 = tl.zeros((BLOCK_N, SB), dtype=tl.float32)
-    acc6 = tl.zeros((BLOCK_N, SB), dtype=tl.float32)
-    acc7 = tl.zeros((BLOCK_N, SB), dtype=tl.float32)
+    accs = row_sums((BLOCK_N, SB))        # each row's sums (jllm.cuda.rows)
     part = tl.program_id(2)               # this program's share of the row: super-blocks part * NB_PART on
     end = tl.minimum(NB, (part + 1) * NB_PART)
     KW = tl.multiple_of(K // 4, 64)       # x's words a row (K: a multiple of 256)
     KS = tl.multiple_of(K // 16, 16)      # s4's numbers a row
-    x1 = _x_row(m0 + 1, M)
-    x2 = _x_row(m0 + 2, M)
-    x3 = _x_row(m0 + 3, M)
-    x4 = _x_row(m0 + 4, M)
-    x5 = _x_row(m0 + 5, M)
-    x6 = _x_row(m0 + 6, M)
-    x7 = _x_row(m0 + 7, M)
+    xr = x_rows(m0, M)
     for kb in tl.range(0, tl.cdiv(NB_PART, SB), num_stages=STAGES):
         blk = part * NB_PART + kb * SB + c                      # [SB] super-blocks
         here = (live[:, None] & (blk < end)[None, :]) | EVEN
@@ -398,24 +392,9 @@ def _q4_k_dp4a(xq_ptr, s4_ptr, qs_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, b_ptr, y
             words = (l0, l1, l2, l3, h0, h1, h2, h3)
             dsc = d * scs[j].to(tl.float32)
             scales = (dsc, dsc * -12582912.0, -(dmin * mns[j].to(tl.float32)))     # exact (_times)
-            acc0 = _q4_k_row(acc0, xp + m0 * KW, sp + m0 * KS, words, scales, j, USE_ASM)
-            if ROWS > 1:
-                acc1 = _q4_k_row(acc1, xp + x1 * KW, sp + x1 * KS, words, scales, j, USE_ASM)
-            if ROWS > 2:
-                acc2 = _q4_k_row(acc2, xp + x2 * KW, sp + x2 * KS, words, scales, j, USE_ASM)
-            if ROWS > 3:
-                acc3 = _q4_k_row(acc3, xp + x3 * KW, sp + x3 * KS, words, scales, j, USE_ASM)
-            if ROWS > 4:
-                acc4 = _q4_k_row(acc4, xp + x4 * KW, sp + x4 * KS, words, scales, j, USE_ASM)
-            if ROWS > 5:
-                acc5 = _q4_k_row(acc5, xp + x5 * KW, sp + x5 * KS, words, scales, j, USE_ASM)
-            if ROWS > 6:
-                acc6 = _q4_k_row(acc6, xp + x6 * KW, sp + x6 * KS, words, scales, j, USE_ASM)
-            if ROWS > 7:
-                acc7 = _q4_k_row(acc7, xp + x7 * KW, sp + x7 * KS, words, scales, j, USE_ASM)
-    store_rows(tl.sum(acc0, axis=1), tl.sum(acc1, axis=1), tl.sum(acc2, axis=1), tl.sum(acc3, axis=1),
-               tl.sum(acc4, axis=1), tl.sum(acc5, axis=1), tl.sum(acc6, axis=1), tl.sum(acc7, axis=1),
-               y_ptr + part * P_STRIDE + rows, live, m0, M, Y_STRIDE, ROWS, HAS_BIAS, b_ptr + rows, False)
+            accs = each_row(accs, _q4_k_row, ROWS, (xp, sp, KW, KS, xr, words, scales, j, USE_ASM))
+    sums = each_row(accs, _total, ROWS, ())
+    store_rows(sums, y_ptr + part * P_STRIDE + rows, live, m0, M, Y_STRIDE, ROWS, HAS_BIAS, b_ptr + rows, False)
 
 
 @triton.jit
@@ -426,11 +405,17 @@ def _six(q, h):
 
 
 @triton.jit
-def _q6_k_row(acc, xq, s6, words, scales, J: tl.constexpr, USE_ASM: tl.constexpr):
-    """One row's block of 32 J of a step's super-blocks (its codes' words at xq [SB] + 8 J..: group 0's four,
-    group 1's; its numbers at s6 [SB] + 4 J..) against the groups' 6-bit code words [BN, SB] (words: a0..a3,
-    b0..b3), each group's chain from its c6, then the float terms (scales: d * sc and -(d * sc) * 1.5 * 2^23 of
-    each group) into acc [BN, SB]. The same operations in the same order for every row."""
+def _q6_k_row(acc, R, ctx):
+    """The program's row R's block of 32 J of a step's super-blocks (ctx as _q4_k_row's; its codes' words at
+    xp [SB] + r KW + 8 J..: group 0's four, group 1's; its numbers at sp [SB] + r KS + 4 J..) against the groups'
+    6-bit code words [BN, SB] (words: a0..a3, b0..b3), each group's chain from its c6, then the float terms
+    (scales: d * sc and -(d * sc) * 1.5 * 2^23 of each group) into acc [BN, SB]. The same operations in the same
+    order for every row."""
+    xp, sp, KW, KS, xr, words, scales, _, _ = ctx
+    J: tl.constexpr = ctx[7]
+    USE_ASM: tl.constexpr = ctx[8]
+    xq = xp + xr[R] * KW
+    s6 = sp + xr[R] * KS
     a0, a1, a2, a3, b0, b1, b2, b3 = words
     dsc0, ndsc0m, dsc1, ndsc1m = scales
     w = tl.load(xq[:, None] + (8 * J + tl.arange(0, 8))[None, :])
@@ -461,25 +446,12 @@ def _q6_k_dp4a(xq_ptr, s6_ptr, ql_ptr, qh_ptr, sc_ptr, d_ptr, b_ptr, y_ptr, M, N
         nn = tl.minimum(rows, N - 1)      # in bounds (see _in_bounds)
     c = (SB - 1) - tl.arange(0, SB)       # a step's super-blocks, last first (_descending)
     t = tl.arange(0, 4)
-    acc0 = tl.zeros((BLOCK_N, SB), dtype=tl.float32)
-    acc1 = tl.zeros((BLOCK_N, SB), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_N, SB), dtype=tl.float32)
-    acc3 = tl.zeros((BLOCK_N, SB), dtype=tl.float32)
-    acc4 = tl.zeros((BLOCK_N, SB), dtype=tl.float32)
-    acc5 = tl.zeros((BLOCK_N, SB), dtype=tl.float32)
-    acc6 = tl.zeros((BLOCK_N, SB), dtype=tl.float32)
-    acc7 = tl.zeros((BLOCK_N, SB), dtype=tl.float32)
+    accs = row_sums((BLOCK_N, SB))
     part = tl.program_id(2)
     end = tl.minimum(NB, (part + 1) * NB_PART)
     KW = tl.multiple_of(K // 4, 64)       # x's words a row (K: a multiple of 256)
     KS = tl.multiple_of(K // 8, 32)       # s6's numbers a row
-    x1 = _x_row(m0 + 1, M)
-    x2 = _x_row(m0 + 2, M)
-    x3 = _x_row(m0 + 3, M)
-    x4 = _x_row(m0 + 4, M)
-    x5 = _x_row(m0 + 5, M)
-    x6 = _x_row(m0 + 6, M)
-    x7 = _x_row(m0 + 7, M)
+    xr = x_rows(m0, M)
     for kb in tl.range(0, tl.cdiv(NB_PART, SB), num_stages=STAGES):
         blk = part * NB_PART + kb * SB + c
         here = (live[:, None] & (blk < end)[None, :]) | EVEN
@@ -504,24 +476,9 @@ def _q6_k_dp4a(xq_ptr, s6_ptr, ql_ptr, qh_ptr, sc_ptr, d_ptr, b_ptr, y_ptr, M, N
             b0, b2 = _six(q2, h1 << 4)    # group 1
             b1, b3 = _six(q3, h1)
             words = (a0, a1, a2, a3, b0, b1, b2, b3)
-            acc0 = _q6_k_row(acc0, xp + m0 * KW, sp + m0 * KS, words, scales, j, USE_ASM)
-            if ROWS > 1:
-                acc1 = _q6_k_row(acc1, xp + x1 * KW, sp + x1 * KS, words, scales, j, USE_ASM)
-            if ROWS > 2:
-                acc2 = _q6_k_row(acc2, xp + x2 * KW, sp + x2 * KS, words, scales, j, USE_ASM)
-            if ROWS > 3:
-                acc3 = _q6_k_row(acc3, xp + x3 * KW, sp + x3 * KS, words, scales, j, USE_ASM)
-            if ROWS > 4:
-                acc4 = _q6_k_row(acc4, xp + x4 * KW, sp + x4 * KS, words, scales, j, USE_ASM)
-            if ROWS > 5:
-                acc5 = _q6_k_row(acc5, xp + x5 * KW, sp + x5 * KS, words, scales, j, USE_ASM)
-            if ROWS > 6:
-                acc6 = _q6_k_row(acc6, xp + x6 * KW, sp + x6 * KS, words, scales, j, USE_ASM)
-            if ROWS > 7:
-                acc7 = _q6_k_row(acc7, xp + x7 * KW, sp + x7 * KS, words, scales, j, USE_ASM)
-    store_rows(tl.sum(acc0, axis=1), tl.sum(acc1, axis=1), tl.sum(acc2, axis=1), tl.sum(acc3, axis=1),
-               tl.sum(acc4, axis=1), tl.sum(acc5, axis=1), tl.sum(acc6, axis=1), tl.sum(acc7, axis=1),
-               y_ptr + part * P_STRIDE + rows, live, m0, M, Y_STRIDE, ROWS, HAS_BIAS, b_ptr + rows, False)
+            accs = each_row(accs, _q6_k_row, ROWS, (xp, sp, KW, KS, xr, words, scales, j, USE_ASM))
+    sums = each_row(accs, _total, ROWS, ())
+    store_rows(sums, y_ptr + part * P_STRIDE + rows, live, m0, M, Y_STRIDE, ROWS, HAS_BIAS, b_ptr + rows, False)
 
 
 def warps(block_n: int, sb: int) -> int:

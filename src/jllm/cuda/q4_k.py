@@ -31,7 +31,7 @@ from gguf import GGMLQuantizationType as T
 
 from jllm.cuda.codes import ASM, as_float, byte_floats, warps
 from jllm.cuda.layout import file_blocks, nbytes
-from jllm.cuda.rows import rows_a_program, store_rows
+from jllm.cuda.rows import each_row, row_sums, rows_a_program, store_rows, x_row
 from jllm.gguf.quants import k_scale_codes
 
 
@@ -73,11 +73,15 @@ def pack_codes(qs: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _q4_k_row(x_ptr, xo, ok, f0, f1, f2, f3, f4, f5, f6, f7, dsc, dmm):
-    """One row's part of a step: the eight code slots' floats f0..f7 [BN, S, 4] (slot j of word t: weight
-    4j + t of its sub-block, for j < 4; 16 + 4(j - 4) + t after) against x at offsets xo [S, 4] -> the step's
-    addition to the row's sums. The same operations in the same order for every row: a row's sum never
-    depends on the rows beside it in the program."""
+def _q4_k_row(acc, R, ctx):
+    """The program's row R's part of a step (jllm.cuda.rows), added to its sums acc; ctx: x_ptr, m0, M, K, xo,
+    ok, f, dsc, dmm: the eight code slots' floats f = f0..f7 [BN, S, 4] (slot j of word t: weight 4j + t of its
+    sub-block, for j < 4; 16 + 4(j - 4) + t after) against x at offsets xo [S, 4]. The same operations in the
+    same order for every row: a row's sum never depends on the rows beside it in the program."""
+    x_ptr, m0, M, K, xo, ok, f, dsc, dmm = ctx
+    f0, f1, f2, f3, f4, f5, f6, f7 = f
+    x_ptr += x_row(m0, R, M) * K
+    ok = ok[:, None]
     xs = tl.load(x_ptr + xo, mask=ok, other=0.0)
     sw = f0 * xs[None, :, :]
     xj = tl.load(x_ptr + xo + 4, mask=ok, other=0.0)
@@ -101,7 +105,7 @@ def _q4_k_row(x_ptr, xo, ok, f0, f1, f2, f3, f4, f5, f6, f7, dsc, dmm):
     xj = tl.load(x_ptr + xo + 28, mask=ok, other=0.0)
     xs += xj
     sw += f7 * xj[None, :, :]
-    return dsc[:, :, None] * sw - dmm[:, :, None] * xs[None, :, :]
+    return acc + (dsc[:, :, None] * sw - dmm[:, :, None] * xs[None, :, :])
 
 
 @triton.jit
@@ -115,14 +119,7 @@ def _q4_k_matvec(x_ptr, qs_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, b_ptr, y_ptr, M
     S: tl.constexpr = 8 * SB              # sub-blocks of 32 weights a step
     s = tl.arange(0, S)
     t = tl.arange(0, 4)                   # a sub-block's four words
-    acc0 = tl.zeros((BLOCK_N, S, 4), dtype=tl.float32)    # one sum per row (at most ROWS_MAX): each row's
-    acc1 = tl.zeros((BLOCK_N, S, 4), dtype=tl.float32)    # operations are the one-row program's, in its order
-    acc2 = tl.zeros((BLOCK_N, S, 4), dtype=tl.float32)
-    acc3 = tl.zeros((BLOCK_N, S, 4), dtype=tl.float32)
-    acc4 = tl.zeros((BLOCK_N, S, 4), dtype=tl.float32)
-    acc5 = tl.zeros((BLOCK_N, S, 4), dtype=tl.float32)
-    acc6 = tl.zeros((BLOCK_N, S, 4), dtype=tl.float32)
-    acc7 = tl.zeros((BLOCK_N, S, 4), dtype=tl.float32)
+    accs = row_sums((BLOCK_N, S, 4))      # each row's sums: its operations are the one-row program's, in order
     part = tl.program_id(2)               # this program's share of the row: super-blocks part * NB_PART on
     end = tl.minimum(NB, (part + 1) * NB_PART) * 8
     for kb in tl.range(0, tl.cdiv(NB_PART, SB), num_stages=STAGES):   # STAGES > 1: later steps in flight
@@ -133,8 +130,8 @@ def _q4_k_matvec(x_ptr, qs_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, b_ptr, y_ptr, M
                     mask=m2[:, :, None], other=0)                                   # int32 [BN, S, 4]
         lo = byte_floats(q & 0x0F0F0F0F, USE_ASM)               # slots 0..3
         hi = byte_floats((q >> 4) & 0x0F0F0F0F, USE_ASM)        # slots 4..7
-        f0, f1, f2, f3 = as_float(lo[0], 0.0), as_float(lo[1], 0.0), as_float(lo[2], 0.0), as_float(lo[3], 0.0)
-        f4, f5, f6, f7 = as_float(hi[0], 0.0), as_float(hi[1], 0.0), as_float(hi[2], 0.0), as_float(hi[3], 0.0)
+        f = (as_float(lo[0], 0.0), as_float(lo[1], 0.0), as_float(lo[2], 0.0), as_float(lo[3], 0.0),
+             as_float(hi[0], 0.0), as_float(hi[1], 0.0), as_float(hi[2], 0.0), as_float(hi[3], 0.0))
         meta = rows[:, None] * (NB * 8) + sub[None, :]
         sc = tl.load(sc_ptr + meta, mask=m2, other=0).to(tl.float32)
         mn = tl.load(mn_ptr + meta, mask=m2, other=0).to(tl.float32)
@@ -142,30 +139,8 @@ def _q4_k_matvec(x_ptr, qs_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, b_ptr, y_ptr, M
         dsc = tl.load(d_ptr + blk, mask=m2, other=0.0).to(tl.float32) * sc
         dmm = tl.load(dmin_ptr + blk, mask=m2, other=0.0).to(tl.float32) * mn
         xo = sub[:, None] * 32 + t[None, :]                     # slot j of word t: weight 4j + t (+ 16)
-        acc0 += _q4_k_row(x_ptr + m0 * K, xo, ok[:, None], f0, f1, f2, f3, f4, f5, f6, f7, dsc, dmm)
-        if ROWS > 1:
-            acc1 += _q4_k_row(x_ptr + tl.minimum(m0 + 1, M - 1) * K, xo, ok[:, None], f0, f1, f2, f3, f4, f5, f6, f7,
-                              dsc, dmm)
-        if ROWS > 2:
-            acc2 += _q4_k_row(x_ptr + tl.minimum(m0 + 2, M - 1) * K, xo, ok[:, None], f0, f1, f2, f3, f4, f5, f6, f7,
-                              dsc, dmm)
-        if ROWS > 3:
-            acc3 += _q4_k_row(x_ptr + tl.minimum(m0 + 3, M - 1) * K, xo, ok[:, None], f0, f1, f2, f3, f4, f5, f6, f7,
-                              dsc, dmm)
-        if ROWS > 4:
-            acc4 += _q4_k_row(x_ptr + tl.minimum(m0 + 4, M - 1) * K, xo, ok[:, None], f0, f1, f2, f3, f4, f5, f6, f7,
-                              dsc, dmm)
-        if ROWS > 5:
-            acc5 += _q4_k_row(x_ptr + tl.minimum(m0 + 5, M - 1) * K, xo, ok[:, None], f0, f1, f2, f3, f4, f5, f6, f7,
-                              dsc, dmm)
-        if ROWS > 6:
-            acc6 += _q4_k_row(x_ptr + tl.minimum(m0 + 6, M - 1) * K, xo, ok[:, None], f0, f1, f2, f3, f4, f5, f6, f7,
-                              dsc, dmm)
-        if ROWS > 7:
-            acc7 += _q4_k_row(x_ptr + tl.minimum(m0 + 7, M - 1) * K, xo, ok[:, None], f0, f1, f2, f3, f4, f5, f6, f7,
-                              dsc, dmm)
-    store_rows(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, y_ptr + part * P_STRIDE + rows, live, m0, M,
-               Y_STRIDE, ROWS, HAS_BIAS, b_ptr + rows, True)
+        accs = each_row(accs, _q4_k_row, ROWS, (x_ptr, m0, M, K, xo, ok, f, dsc, dmm))
+    store_rows(accs, y_ptr + part * P_STRIDE + rows, live, m0, M, Y_STRIDE, ROWS, HAS_BIAS, b_ptr + rows, True)
 
 
 def launch(x: torch.Tensor, w: Q4KWeight, y: torch.Tensor, block_n: int, bias: torch.Tensor | None = None,

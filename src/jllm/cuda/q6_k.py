@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType as T
 
 from jllm.cuda.codes import ASM, as_float, byte_floats, warps
 from jllm.cuda.layout import file_blocks, nbytes
-from jllm.cuda.rows import rows_a_program, store_rows
+from jllm.cuda.rows import each_row, row_sums, rows_a_program, store_rows, x_row
 
 
 @dataclass
@@ -71,10 +71,14 @@ def _six_bits(q, h):
 
 
 @triton.jit
-def _q6_k_row(x_ptr, xo, ok, f0, f1, f2, f3, f4, f5, f6, f7, dsc):
-    """One row's part of a step: the eight code slots' floats f0..f7 [BN, G, 2] (slot j of word t: weight 2j + t
-    of its group, for j < 4; 8 + 2(j - 4) + t after) against x at offsets xo [G, 2] -> the step's addition to
-    the row's sums, in the same order for every row (jllm.cuda.rows)."""
+def _q6_k_row(acc, R, ctx):
+    """The program's row R's part of a step, added to its sums acc; ctx: x_ptr, m0, M, K, xo, ok, f, dsc: the
+    eight code slots' floats f = f0..f7 [BN, G, 2] (slot j of word t: weight 2j + t of its group, for j < 4;
+    8 + 2(j - 4) + t after) against x at offsets xo [G, 2], in the same order for every row (jllm.cuda.rows)."""
+    x_ptr, m0, M, K, xo, ok, f, dsc = ctx
+    f0, f1, f2, f3, f4, f5, f6, f7 = f
+    x_ptr += x_row(m0, R, M) * K
+    ok = ok[:, None]
     sw = f0 * tl.load(x_ptr + xo, mask=ok, other=0.0)[None, :, :]
     sw += f1 * tl.load(x_ptr + xo + 2, mask=ok, other=0.0)[None, :, :]
     sw += f2 * tl.load(x_ptr + xo + 4, mask=ok, other=0.0)[None, :, :]
@@ -83,7 +87,7 @@ def _q6_k_row(x_ptr, xo, ok, f0, f1, f2, f3, f4, f5, f6, f7, dsc):
     sw += f5 * tl.load(x_ptr + xo + 10, mask=ok, other=0.0)[None, :, :]
     sw += f6 * tl.load(x_ptr + xo + 12, mask=ok, other=0.0)[None, :, :]
     sw += f7 * tl.load(x_ptr + xo + 14, mask=ok, other=0.0)[None, :, :]
-    return dsc[:, :, None] * sw
+    return acc + dsc[:, :, None] * sw
 
 
 @triton.jit
@@ -97,14 +101,7 @@ def _q6_k_matvec(x_ptr, ql_ptr, qh_ptr, sc_ptr, d_ptr, b_ptr, y_ptr, M, N, K, NB
     G: tl.constexpr = 16 * SB             # groups of 16 weights (one scale each) a step
     g = tl.arange(0, G)
     t = tl.arange(0, 2)                   # a group's two ql words
-    acc0 = tl.zeros((BLOCK_N, G, 2), dtype=tl.float32)    # one sum a row
-    acc1 = tl.zeros((BLOCK_N, G, 2), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_N, G, 2), dtype=tl.float32)
-    acc3 = tl.zeros((BLOCK_N, G, 2), dtype=tl.float32)
-    acc4 = tl.zeros((BLOCK_N, G, 2), dtype=tl.float32)
-    acc5 = tl.zeros((BLOCK_N, G, 2), dtype=tl.float32)
-    acc6 = tl.zeros((BLOCK_N, G, 2), dtype=tl.float32)
-    acc7 = tl.zeros((BLOCK_N, G, 2), dtype=tl.float32)
+    accs = row_sums((BLOCK_N, G, 2))      # each row's sums
     part = tl.program_id(2)               # this program's share of the row: super-blocks part * NB_PART on
     end = tl.minimum(NB, (part + 1) * NB_PART) * 16
     for kb in tl.range(0, tl.cdiv(NB_PART, SB), num_stages=STAGES):   # STAGES > 1: later steps in flight
@@ -117,35 +114,13 @@ def _q6_k_matvec(x_ptr, ql_ptr, qh_ptr, sc_ptr, d_ptr, b_ptr, y_ptr, M, N, K, NB
         lo6, hi6 = _six_bits(q, h[:, :, None] >> (4 * t)[None, None, :])
         lo = byte_floats(lo6, USE_ASM)
         hi = byte_floats(hi6, USE_ASM)
-        f0, f1, f2, f3 = as_float(lo[0], 32.0), as_float(lo[1], 32.0), as_float(lo[2], 32.0), as_float(lo[3], 32.0)
-        f4, f5, f6, f7 = as_float(hi[0], 32.0), as_float(hi[1], 32.0), as_float(hi[2], 32.0), as_float(hi[3], 32.0)
+        f = (as_float(lo[0], 32.0), as_float(lo[1], 32.0), as_float(lo[2], 32.0), as_float(lo[3], 32.0),
+             as_float(hi[0], 32.0), as_float(hi[1], 32.0), as_float(hi[2], 32.0), as_float(hi[3], 32.0))
         sc = tl.load(sc_ptr + rows[:, None] * (NB * 16) + grp[None, :], mask=m2, other=0).to(tl.float32)
         dsc = tl.load(d_ptr + rows[:, None] * NB + grp[None, :] // 16, mask=m2, other=0.0).to(tl.float32) * sc
         xo = grp[:, None] * 16 + t[None, :]                     # slot j of word t: weight 2j + t (+ 8)
-        acc0 += _q6_k_row(x_ptr + m0 * K, xo, ok[:, None], f0, f1, f2, f3, f4, f5, f6, f7, dsc)
-        if ROWS > 1:
-            acc1 += _q6_k_row(x_ptr + tl.minimum(m0 + 1, M - 1) * K, xo, ok[:, None], f0, f1, f2, f3, f4, f5,
-                              f6, f7, dsc)
-        if ROWS > 2:
-            acc2 += _q6_k_row(x_ptr + tl.minimum(m0 + 2, M - 1) * K, xo, ok[:, None], f0, f1, f2, f3, f4, f5,
-                              f6, f7, dsc)
-        if ROWS > 3:
-            acc3 += _q6_k_row(x_ptr + tl.minimum(m0 + 3, M - 1) * K, xo, ok[:, None], f0, f1, f2, f3, f4, f5,
-                              f6, f7, dsc)
-        if ROWS > 4:
-            acc4 += _q6_k_row(x_ptr + tl.minimum(m0 + 4, M - 1) * K, xo, ok[:, None], f0, f1, f2, f3, f4, f5,
-                              f6, f7, dsc)
-        if ROWS > 5:
-            acc5 += _q6_k_row(x_ptr + tl.minimum(m0 + 5, M - 1) * K, xo, ok[:, None], f0, f1, f2, f3, f4, f5,
-                              f6, f7, dsc)
-        if ROWS > 6:
-            acc6 += _q6_k_row(x_ptr + tl.minimum(m0 + 6, M - 1) * K, xo, ok[:, None], f0, f1, f2, f3, f4, f5,
-                              f6, f7, dsc)
-        if ROWS > 7:
-            acc7 += _q6_k_row(x_ptr + tl.minimum(m0 + 7, M - 1) * K, xo, ok[:, None], f0, f1, f2, f3, f4, f5,
-                              f6, f7, dsc)
-    store_rows(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, y_ptr + part * P_STRIDE + rows, live, m0, M,
-               Y_STRIDE, ROWS, HAS_BIAS, b_ptr + rows, True)
+        accs = each_row(accs, _q6_k_row, ROWS, (x_ptr, m0, M, K, xo, ok, f, dsc))
+    store_rows(accs, y_ptr + part * P_STRIDE + rows, live, m0, M, Y_STRIDE, ROWS, HAS_BIAS, b_ptr + rows, True)
 
 
 def launch(x: torch.Tensor, w: Q6KWeight, y: torch.Tensor, block_n: int, bias: torch.Tensor | None = None,
