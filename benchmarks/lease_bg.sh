@@ -16,8 +16,10 @@
 # L is /tmp/L unless LEASE_DIR says otherwise (the tests run it on the CPU with a fake command).
 # The calls for issue 23 (benchmarks/cuda_lease.sh's header says what each step measures):
 #   1. carry .whl, .xfer/lcpp.tar.xz and .xfer/eagle3_old.py (issue 26's training step before and after a change):
-#      bash benchmarks/lease_bg.sh start syn MMA="0 dp4a" -- bash benchmarks/cuda_lease.sh build dp4a profile bench \
-#        trainstep
+#      bash benchmarks/lease_bg.sh start syn MMA="0 dp4a" -- bash benchmarks/cuda_lease.sh build tests dp4a profile \
+#        bench trainstep
+#      (tests first: session 30 rewrote every matvec kernel's row dispatch, checked by offline SASS and the
+#      interpreter only; a failure there voids what follows, so poll it before the pieces are all sent)
 #   2. 20 calls, each carrying one piece (training/gpu.sh's header): bash training/gpu.sh recv NN && bash
 #      benchmarks/lease_bg.sh poll 1
 #   3. carrying .xfer/init.gguf (the head): bash training/gpu.sh keep init.gguf && bash training/gpu.sh setup SHA &&
