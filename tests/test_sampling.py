@@ -240,3 +240,45 @@ def test_invalid_params_raise_jllm_error(bad):
 def test_boundary_params_are_accepted():
     SamplingParams(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0, max_tokens=0, seed=0)
     SamplingParams(min_p=1.0, top_p=1e-6, repeat_last_n=-1, seed=2**64 - 1)
+
+
+def _nucleus_by_sorting(pr: torch.Tensor, top_p: float) -> torch.Tensor:
+    """top-p's set written the plain way: sort everything (ties by id), keep while the mass before is < top_p."""
+    order = sorted(range(pr.shape[0]), key=lambda i: (-float(pr[i]), i))
+    keep, mass = torch.zeros(pr.shape[0], dtype=torch.bool), 0.0
+    for i in order:
+        if mass >= top_p:
+            break
+        keep[i] = True
+        mass += float(pr[i])
+    return keep
+
+
+@pytest.mark.parametrize("kind", ["peaked", "flat", "ties", "small", "topk-zeros"])
+def test_the_nucleus_without_a_full_sort_is_the_sorted_one(kind):
+    """sampling.nucleus looks at the most likely 256, then 4,096, and sorts all only when neither holds top_p:
+    the set is the full sort's in every case, ties at its edge taken by id."""
+    from jllm.sampling import nucleus
+
+    g = torch.Generator().manual_seed(hash(kind) % 1000)
+    for trial in range(6):
+        if kind == "peaked":                      # ends inside the first 256
+            logits = torch.randn(20000, generator=g) * 4
+        elif kind == "flat":                      # needs more than 4,096: the sort
+            logits = torch.randn(20000, generator=g) * 0.05
+        elif kind == "ties":                      # few distinct values: ties at every edge
+            logits = torch.randint(0, 6, (20000,), generator=g).float()
+        elif kind == "small":                     # fewer ids than the first try
+            logits = torch.randn(200, generator=g) * 2
+        else:                                     # top-k's zeros after the candidates
+            logits = torch.full((20000,), float("-inf"))
+            logits[torch.randperm(20000, generator=g)[:40]] = torch.randn(40, generator=g)
+        pr = torch.softmax(logits, -1)
+        for top_p in (1e-6, 0.3, 0.5, 0.9, 0.95, 0.999):
+            got = nucleus(pr, top_p)
+            want = _nucleus_by_sorting(pr, top_p) if kind != "flat" or top_p < 0.5 else None
+            if want is None:                      # the plain loop over 20,000 is slow: its mass rule instead
+                assert float(pr[got].sum()) >= top_p - 1e-6 and float(pr[got].sum() - pr[got].min()) < top_p
+                assert float(pr[got].min()) >= float(pr[~got].max())
+            else:
+                assert torch.equal(got, want), (kind, trial, top_p)

@@ -82,18 +82,49 @@ def probs(logits: torch.Tensor, p: SamplingParams, history: list[int] = ()) -> t
     logits = apply_repeat_penalty(logits.float(), list(history), p.repeat_penalty, p.repeat_last_n)
     if p.greedy:
         return torch.nn.functional.one_hot(torch.argmax(logits), logits.shape[-1]).float()
+    if not p.top_k and p.top_p == 1.0 and p.min_p == 0.0:
+        return torch.softmax(logits / p.temperature, dim=-1)
     keep = torch.ones_like(logits, dtype=torch.bool)
     if p.top_k and p.top_k < logits.shape[-1]:
         keep = torch.zeros_like(keep)
         keep[torch.topk(logits, p.top_k).indices] = True       # exactly k, even with ties
     pr = torch.softmax(logits.masked_fill(~keep, float("-inf")), dim=-1)
     if p.top_p < 1.0:
-        sp, si = torch.sort(pr, descending=True)
-        before = torch.cumsum(sp, dim=-1) - sp  # mass of the more likely tokens
-        keep[si[before >= p.top_p]] = False     # keep the smallest prefix whose mass reaches top_p
+        keep &= nucleus(pr, p.top_p)
     if p.min_p > 0.0:
         keep &= pr >= p.min_p * pr.max()
     return torch.softmax(logits.masked_fill(~keep, float("-inf")) / p.temperature, dim=-1)
+
+
+NUCLEUS_TRIES = (256, 4096)      # candidates looked at before sorting the whole distribution
+
+
+def nucleus(pr: torch.Tensor, top_p: float) -> torch.Tensor:
+    """pr: [V] a distribution -> [V] bool, top-p's set: in the order of falling probability (ties by id), the
+    tokens before which the mass is still below top_p (the smallest prefix whose mass reaches top_p).
+
+    Without sorting all of pr where it can: the K most likely probabilities (torch.topk, ~0.2 ms for 256 of
+    151,936 against ~11 ms for a sort) are the sort's first K values in its order, ties being equal values, so
+    their running mass is the sort's; if the set ends inside them it ends at a value v, every token above v
+    is in it and of those at v the first by id fill it up. Only where the K most likely hold less than top_p
+    (a flat distribution) does it try more, then sort all."""
+    n = pr.shape[-1]
+    for k in NUCLEUS_TRIES:
+        if k >= n:
+            break
+        vals = torch.topk(pr, k).values                      # falling
+        m = int(((torch.cumsum(vals.double(), 0) - vals) < top_p).sum())   # the set's size, if it ends inside
+        if m < k:
+            v = vals[m - 1]
+            keep = pr > v
+            tied = (pr == v).nonzero()[:, 0]                 # by id
+            keep[tied[:m - int(keep.sum())]] = True
+            return keep
+    sp, si = torch.sort(pr, descending=True, stable=True)
+    before = torch.cumsum(sp.double(), 0) - sp               # the mass of the more likely tokens
+    keep = torch.zeros_like(pr, dtype=torch.bool)
+    keep[si[before < top_p]] = True
+    return keep
 
 
 def draw(weights: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
