@@ -254,7 +254,7 @@ def _nucleus_by_sorting(pr: torch.Tensor, top_p: float) -> torch.Tensor:
     return keep
 
 
-@pytest.mark.parametrize("kind", ["peaked", "flat", "ties", "small", "topk-zeros"])
+@pytest.mark.parametrize("kind", ["peaked", "flat", "flat-zeros", "ties", "small", "topk-zeros"])
 def test_the_nucleus_without_a_full_sort_is_the_sorted_one(kind):
     """sampling.nucleus looks at the most likely 256, then 4,096, and sorts all only when neither holds top_p:
     the set is the full sort's in every case, ties at its edge taken by id."""
@@ -262,7 +262,10 @@ def test_the_nucleus_without_a_full_sort_is_the_sorted_one(kind):
 
     g = torch.Generator().manual_seed(hash(kind) % 1000)
     for trial in range(6):
-        if kind == "peaked":                      # ends inside the first 256
+        if kind == "flat-zeros":                  # a head's flat distribution over part of the ids: sorts those
+            logits = torch.full((20000,), float("-inf"))
+            logits[torch.randperm(20000, generator=g)[:6000]] = torch.randn(6000, generator=g) * 0.05
+        elif kind == "peaked":                      # ends inside the first 256
             logits = torch.randn(20000, generator=g) * 4
         elif kind == "flat":                      # needs more than 4,096: the sort
             logits = torch.randn(20000, generator=g) * 0.05
@@ -276,7 +279,7 @@ def test_the_nucleus_without_a_full_sort_is_the_sorted_one(kind):
         pr = torch.softmax(logits, -1)
         for top_p in (1e-6, 0.3, 0.5, 0.9, 0.95, 0.999):
             got = nucleus(pr, top_p)
-            want = _nucleus_by_sorting(pr, top_p) if kind != "flat" or top_p < 0.5 else None
+            want = _nucleus_by_sorting(pr, top_p) if not kind.startswith("flat") or top_p < 0.5 else None
             if want is None:                      # the plain loop over 20,000 is slow: its mass rule instead
                 assert float(pr[got].sum()) >= top_p - 1e-6 and float(pr[got].sum() - pr[got].min()) < top_p
                 assert float(pr[got].min()) >= float(pr[~got].max())
