@@ -211,6 +211,8 @@ def test_cuda_on_a_cpu_only_machine(home):
 
 def test_bad_sampling_value(home):
     assert_user_error(jllm(home, "generate", "-m", "tiny.gguf", "-p", "hi", "--top-p", "0"), "top-p")
+    # the sampled corpus bench refuses it before loading anything (no draft model here to load)
+    assert_user_error(jllm(home, "bench", "--spec", "-m", "tiny.gguf", "--temp", "-1"), "temperature")
 
 
 @pytest.mark.parametrize("args, words", [

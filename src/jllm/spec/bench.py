@@ -134,6 +134,8 @@ def run(a) -> int:
     draft = str(resolve(a.draft_model)) if a.draft_model else None
     mode = a.spec_mode or ("auto" if draft else "ngram")
     check_tree(a.draft_tree)
+    params = SamplingParams(temperature=a.temp, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p, seed=a.seed,
+                            max_tokens=a.n_predict)          # a bad setting refused before the models load
     cfg = SpecConfig(mode=mode, draft_max=a.draft_max, draft_min=a.draft_min, p_min=a.draft_p_min,
                      leaf_p=a.draft_leaf_p, tree_width=a.draft_tree)
     eng = Engine(str(resolve(a.model)), device=a.device, precision=a.precision, ctx_size=a.ctx_size,
@@ -143,8 +145,6 @@ def run(a) -> int:
         if eng.draft_proposer is None:
             raise JllmError("--wrong-draft needs a draft model or head (-md)")
         make_draft_wrong(eng)
-    params = SamplingParams(temperature=a.temp, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p, seed=a.seed,
-                            max_tokens=a.n_predict)
     t0 = time.perf_counter()
     s = run_corpus(eng, cfg, limit=a.limit, params=params)
     print_summary(s)
