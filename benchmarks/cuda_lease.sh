@@ -158,12 +158,14 @@ if want trainstep; then              # issue 26: the head's training step on the
   python3 -m jllm.train.head -m $S15 -o /tmp/h_syn.gguf --device cuda --data /tmp/syn_conv.npz --magpie 64 \
     --package 512 --writing 0 --questions 0 --requests 0 --gen-batch 576 --max-new 512 --gen-time 60 --data-only \
     2>&1 | tee "$OUT/trainstep_data.log" | tail -3
-  python3 -m jllm.train.head -m $S15 -o /tmp/h_syn.gguf --device cuda --data /tmp/syn_conv.npz $TS 2>&1 \
-    | tee "$OUT/trainstep.log" | grep -E "^step (1|60)/|wrote"
+  train_steps() {                    # $1: the log under $OUT
+    python3 -m jllm.train.head -m $S15 -o /tmp/h_syn.gguf --device cuda --data /tmp/syn_conv.npz $TS 2>&1 \
+      | tee "$OUT/$1" | grep -E "^step (1|60)/|wrote"
+  }
+  train_steps trainstep.log
   if [ -f .xfer/eagle3_old.py ]; then
     rm -rf /tmp/old_src && cp -r src /tmp/old_src && cp .xfer/eagle3_old.py /tmp/old_src/jllm/train/eagle3.py
-    PYTHONPATH="/tmp/old_src:${PYTHONPATH#*:}" python3 -m jllm.train.head -m $S15 -o /tmp/h_syn.gguf --device cuda \
-      --data /tmp/syn_conv.npz $TS 2>&1 | tee "$OUT/trainstep_old.log" | grep -E "^step (1|60)/|wrote"
+    PYTHONPATH="/tmp/old_src:${PYTHONPATH#*:}" train_steps trainstep_old.log
   fi
 fi
 if [ -z "$ARGS" ] || want 4b; then

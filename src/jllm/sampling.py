@@ -121,9 +121,9 @@ def nucleus(pr: torch.Tensor, top_p: float) -> torch.Tensor:
             keep[tied[:m - int(keep.sum())]] = True
             return keep
     keep = torch.zeros_like(pr, dtype=torch.bool)
-    ids = None
-    if int((pr > 0).sum()) * 2 < n:          # top-k's or a head's zeros: sort only the rest (a third the time
-        ids = (pr > 0).nonzero()[:, 0]       # for a head's 28,672 of 151,936), the zeros last as in the sort
+    ids, some = None, pr > 0
+    if int(some.sum()) * 2 < n:              # top-k's or a head's zeros: sort only the rest (a third the time
+        ids = some.nonzero()[:, 0]           # for a head's 28,672 of 151,936), the zeros last as in the sort
         pr = pr[ids]
     sp, si = torch.sort(pr, descending=True, stable=True)
     before = torch.cumsum(sp.double(), 0) - sp               # the mass of the more likely tokens

@@ -38,10 +38,9 @@ def _run(eng, ids, params, spec):
     return res, (res.spec_stats.as_dict() if spec is not None else None)
 
 
-def run_corpus(eng, spec_cfg, max_tokens: int = 128, limit: int | None = None, log=print,
-               params: SamplingParams | None = None) -> dict:
-    """params: how both runs choose tokens (greedy unless given; max_tokens then comes from it)."""
-    params = params or SamplingParams(max_tokens=max_tokens)
+def run_corpus(eng, spec_cfg, limit: int | None = None, log=print, params: SamplingParams | None = None) -> dict:
+    """params: how both runs choose tokens and how many (greedy, 128, unless given)."""
+    params = params or SamplingParams(max_tokens=128)
     items = load_corpus()[:limit] if limit else load_corpus()
     if eng.device.type == "cuda":       # the GPU captures a CUDA graph per pass shape on first use: not timed
         warm = eng.chat_ids([{"role": "user", "content": "Write a short Python function that adds two numbers."}])
