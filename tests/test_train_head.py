@@ -15,7 +15,7 @@ from jllm.eagle3 import format as fmt
 from jllm.gguf.reader import read_gguf
 from jllm.model.config import config_from_gguf
 from jllm.train import data as data_mod
-from jllm.train.eagle3 import Eagle3Head, HeadConfig, rope_interleaved
+from jllm.train.eagle3 import Eagle3Head, HeadConfig, reply_rows, rope_interleaved
 from jllm.train.export import write_head
 from jllm.train.head import TrainConfig, lr_factor, make_batches, new_head, progress, spread, train
 from jllm.train.target import load_target
@@ -65,6 +65,10 @@ def test_target_matches_jllm_and_the_oracle(target):
     want = jm.forward(torch.tensor(ids), jm.new_cache(16))
     feats, logits = tg.features(torch.tensor([ids]), torch.tensor([len(ids)]), (2, 4, 5))
     assert (logits[0] - want).abs().max() < 1e-3
+    # the output matrix over chosen positions only: their rows of the whole logits (up to the matmul's rounding)
+    rows = (torch.tensor([0, 0, 0]), torch.tensor([1, 4, 7]))
+    _, some = tg.features(torch.tensor([ids]), torch.tensor([len(ids)]), (2, 4, 5), rows=rows)
+    assert some.shape == (3, tg.cfg.vocab_size) and torch.allclose(some, logits[0, [1, 4, 7]], atol=1e-5)
     hs = ref.model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
     D = tg.cfg.hidden
     for k, layer in enumerate((2, 4, 5)):
@@ -202,6 +206,11 @@ def test_ttt_loss_equals_the_plain_formula(target):
     assert len(params) > 10 and all(g.abs().sum() > 0 for g in grads[:3])
     for g, p in zip(grads, params):
         assert torch.allclose(g, p.grad, rtol=1e-4, atol=1e-6)
+    # the trainer's form: the target's logits and top token given at the reply rows only (target_pass)
+    b, t0 = rows = reply_rows(lengths, starts, T)
+    assert len(b) == sum(max(0, int(n) - max(int(s), 2)) for n, s in zip(lengths, starts))
+    same = head.ttt(feats, ids, lengths, starts, tl[b, t0 + 1], top[b, t0 + 1], steps=14, decay=0.8, rows=rows)
+    assert torch.equal(same[0], got[0]) and same[1] == got[1] and same[2] == got[2]
 
 
 def test_train_loss_falls_and_the_gguf_loads(target, tmp_path):

@@ -93,6 +93,13 @@ def ttt_attention(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor
     return out
 
 
+def reply_rows(lengths: torch.Tensor, reply_start: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(b, t0): the rows t0 of sequence b whose drafted token, t0 + 2, is a reply token (right-padded to T).
+    The target's prediction of that token is its row t0 + 1: the only rows whose logits training reads."""
+    pred = torch.arange(T, device=lengths.device)[None, :] + 2
+    return ((pred < lengths[:, None]) & (pred >= reply_start[:, None])).nonzero(as_tuple=True)
+
+
 def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
     """x[:, t] <- x[:, t + n] along dim 1, `fill` past the end."""
     if n == 0:
@@ -163,12 +170,14 @@ class Eagle3Head(nn.Module):
             yield g
 
     def ttt(self, feats, ids, lengths, reply_start, target_logits, target_top, steps: int = 7,
-            decay: float = 0.8) -> tuple[torch.Tensor, list[float], list[float]]:
+            decay: float = 0.8, rows=None) -> tuple[torch.Tensor, list[float], list[float]]:
         """The weighted TTT loss over a batch, with each step's loss and top-1 agreement.
 
         feats [B, T, 3 Dt]: the target's layer inputs; ids [B, T] right-padded; lengths, reply_start [B];
         target_logits [B, T, Vd]: the target's logits at each position over the draft vocabulary (d2t);
-        target_top [B, T]: the target's top token id over its whole vocabulary.
+        target_top [B, T]: the target's top token id over its whole vocabulary. With rows = reply_rows(...)
+        given, only those rows' are: target_logits [R, Vd] and target_top [R], row r's being position
+        rows[1][r] + 1 of sequence rows[0][r] (the target's prediction of the reply token it drafts).
         Agreement: the head's top token (as a target id) equals the target's, over reply positions
         (a top token outside the draft vocabulary counts as a miss)."""
         t2d = torch.zeros(self.c.target_vocab, dtype=torch.bool, device=ids.device)
@@ -179,10 +188,13 @@ class Eagle3Head(nn.Module):
         # token are found once (one read back a batch: their count) and each step scores only those, gathered:
         # the output matrix, the softmax and the loss run over the reply rows alone, not over the prompt and
         # the padding as well, and the target's distribution is made once for all steps.
-        pred = torch.arange(T, device=ids.device)[None, :] + 2
-        b, t0 = ((pred < lengths[:, None]) & (pred >= reply_start[:, None])).nonzero(as_tuple=True)
-        target_p = torch.softmax(target_logits[b, t0 + 1].float(), dim=-1)   # [R, Vd]
-        top = target_top[b, t0 + 1]                                          # [R]
+        if rows is None:
+            b, t0 = reply_rows(lengths, reply_start, T)
+            target_logits, target_top = target_logits[b, t0 + 1], target_top[b, t0 + 1]
+        else:
+            b, t0 = rows
+        target_p = torch.softmax(target_logits.float(), dim=-1)              # [R, Vd]
+        top = target_top                                                     # [R]
         countable = t2d[top]                                                 # the target's top token is draftable
         total = feats.new_zeros((), dtype=torch.float32)
         scores = []

@@ -26,7 +26,7 @@ import torch
 from jllm.catalog import resolve
 from jllm.errors import JllmError
 from jllm.train import data as data_mod
-from jllm.train.eagle3 import Eagle3Head, HeadConfig
+from jllm.train.eagle3 import Eagle3Head, HeadConfig, reply_rows
 from jllm.train.export import file_bytes, write_head
 from jllm.train.target import Target, load_target
 
@@ -102,14 +102,17 @@ def collate(conv: data_mod.Conversations, idx: list[int], max_len: int, pad: int
     return ids.to(device), lengths.to(device), starts.to(device)
 
 
-def target_pass(target: Target, head: Eagle3Head, ids, lengths, d2t):
-    """What the head learns from, for a batch: the target's layer inputs [B, T, 3 Dt], its logits over the
-    draft vocabulary [B, T, Vd] and its top token over the whole vocabulary [B, T] (the full logits freed)."""
-    feats, logits = target.features(ids, lengths, head.c.target_layers)
+def target_pass(target: Target, head: Eagle3Head, ids, lengths, starts, d2t):
+    """What the head learns from, for a batch: the target's layer inputs [B, T, 3 Dt], the rows it is scored
+    at (eagle3.reply_rows: (b, t0), R of them), and at each the target's prediction of its reply token (position
+    t0 + 1): logits over the draft vocabulary [R, Vd] and the top token over the whole vocabulary [R]. The
+    target's output matrix runs over those R positions only (the full logits freed)."""
+    b, t0 = rows = reply_rows(lengths, starts, ids.shape[1])
+    feats, logits = target.features(ids, lengths, head.c.target_layers, rows=(b, t0 + 1))
     top = logits.argmax(-1)
-    tl = logits[..., d2t]
+    tl = logits[:, d2t]
     del logits
-    return feats, tl, top
+    return feats, tl, top, rows
 
 
 def new_head(target: Target, d2t: np.ndarray, ffn: int | None, layers=None) -> Eagle3Head:
@@ -226,12 +229,12 @@ def train(target: Target, head: Eagle3Head, conv: data_mod.Conversations, tc: Tr
             rng.shuffle(order)
         ids, lengths, starts = collate(conv, batches[order.pop()], tc.max_len, pad, dev)
         t0 = time.perf_counter()
-        feats, tl, top = target_pass(target, head, ids, lengths, d2t)
+        feats, tl, top, rows = target_pass(target, head, ids, lengths, starts, d2t)
         if dev.type == "cuda":
             torch.cuda.synchronize()
         t1 = time.perf_counter()
         with autocast:
-            loss, losses, accs = head.ttt(feats, ids, lengths, starts, tl, top, tc.ttt, tc.decay)
+            loss, losses, accs = head.ttt(feats, ids, lengths, starts, tl, top, tc.ttt, tc.decay, rows=rows)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, tc.clip)
@@ -288,11 +291,10 @@ def evaluate(target: Target, head: Eagle3Head, conv, batches, tc: TrainConfig, p
     count = 0
     for idx in batches:
         ids, lengths, starts = collate(conv, idx, tc.max_len, pad, target.device)
-        feats, tl, top = target_pass(target, head, ids, lengths, d2t)
+        feats, tl, top, rows = target_pass(target, head, ids, lengths, starts, d2t)
         with autocast:
-            _, _, accs = head.ttt(feats, ids, lengths, starts, tl, top, tc.ttt, tc.decay)
-        n = int(((torch.arange(ids.shape[1], device=ids.device)[None, :] + 2 < lengths[:, None]) &
-                 (torch.arange(ids.shape[1], device=ids.device)[None, :] + 2 >= starts[:, None])).sum())
+            _, _, accs = head.ttt(feats, ids, lengths, starts, tl, top, tc.ttt, tc.decay, rows=rows)
+        n = len(rows[0])                                         # the reply positions scored
         hits += np.asarray(accs) * n
         count += n
     head.train()

@@ -76,13 +76,17 @@ class Target:
         return self.model.model.norm.weight
 
     @torch.no_grad()
-    def features(self, ids: torch.Tensor, lengths: torch.Tensor, layers) -> tuple[torch.Tensor, torch.Tensor]:
+    def features(self, ids: torch.Tensor, lengths: torch.Tensor, layers, rows=None) -> tuple[torch.Tensor, torch.Tensor]:
         """ids: [B, T] right-padded, lengths: [B] -> (feats [B, T, 3 D]: the inputs of target layers `layers`,
-        concatenated low, mid, high; logits [B, T, vocab]), both in the model's dtype."""
+        concatenated low, mid, high; logits [B, T, vocab]), both in the model's dtype. rows = (b, t): the
+        logits of those positions only, [R, vocab] (the output matrix runs over them alone: a batch's logits
+        at every position would be B * T * vocab, ~5 GB in bf16 for 16k tokens)."""
         mask = torch.arange(ids.shape[1], device=ids.device)[None, :] < lengths[:, None]
-        out = self.model(input_ids=ids, attention_mask=mask.long(), output_hidden_states=True, use_cache=False)
+        out = self.model.model(input_ids=ids, attention_mask=mask.long(), output_hidden_states=True,
+                               use_cache=False)
         feats = torch.cat([out.hidden_states[l] for l in layers], dim=-1)
-        return feats, out.logits
+        last = out.last_hidden_state                             # after the final norm
+        return feats, self.model.lm_head(last if rows is None else last[rows[0], rows[1]])
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new: int, sample: bool, temperature: float = 1.0,
