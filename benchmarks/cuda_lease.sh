@@ -39,7 +39,7 @@
 # each shape goes to $OUT/best_dp4a.json, which profile and bench then run dp4a choices under.
 # build: only start llama.cpp's build (from the first call, so that it is done when `llamacpp` runs).
 # trainstep: issue 26's training step (jllm.train.head) on the synthetic target: its log's step times and
-# profile table, beside an earlier eagle3.py's if .xfer/eagle3_old.py is carried (below).
+# profile table, beside an earlier training package's if .xfer/train_old/ is carried (below).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1   # gguf; serve: fastapi, uvicorn, httpx
@@ -152,8 +152,9 @@ fi
 if want trainstep; then              # issue 26: the head's training step on the 1.5B's shapes, no transfer
   # data made here by the synthetic target (random replies, each token its own byte of the prompt: longer
   # rows than real chat, so a step's attention is, if anything, dearer), then 60 steps of the shipped head's
-  # shape with three under torch's profiler; with .xfer/eagle3_old.py carried (an earlier jllm/train/eagle3.py,
-  # `git show REV:src/jllm/train/eagle3.py`), the same steps under it too, for the two steps' times side by side
+  # shape with three under torch's profiler; with .xfer/train_old/ carried (an earlier src/jllm/train, the one
+  # the last training lease ran: `git archive 6fecc5c src/jllm/train | tar x -C /tmp` and its *.py copied
+  # there), the same steps under it too, for the two steps' times side by side
   TS="--draft-vocab 28672 --ffn 2304 --ttt 7 --qtype Q4_0 --holdout 0 --steps 60 --profile 3"
   python3 -m jllm.train.head -m $S15 -o /tmp/h_syn.gguf --device cuda --data /tmp/syn_conv.npz --magpie 64 \
     --package 512 --writing 0 --questions 0 --requests 0 --gen-batch 576 --max-new 512 --gen-time 60 --data-only \
@@ -163,8 +164,8 @@ if want trainstep; then              # issue 26: the head's training step on the
       | tee "$OUT/$1" | grep -E "^step (1|60)/|wrote"
   }
   train_steps trainstep.log
-  if [ -f .xfer/eagle3_old.py ]; then
-    rm -rf /tmp/old_src && cp -r src /tmp/old_src && cp .xfer/eagle3_old.py /tmp/old_src/jllm/train/eagle3.py
+  if [ -d .xfer/train_old ]; then
+    rm -rf /tmp/old_src && cp -r src /tmp/old_src && rm -rf /tmp/old_src/jllm/train && cp -r .xfer/train_old /tmp/old_src/jllm/train
     PYTHONPATH="/tmp/old_src:${PYTHONPATH#*:}" train_steps trainstep_old.log
   fi
 fi

@@ -15,7 +15,7 @@
 #           poll every 5 s until every job has ended or SECONDS (500) have passed, then poll once more.
 # L is /tmp/L unless LEASE_DIR says otherwise (the tests run it on the CPU with a fake command).
 # The calls for issue 23 (benchmarks/cuda_lease.sh's header says what each step measures):
-#   1. carry .whl, .xfer/lcpp.tar.xz and .xfer/eagle3_old.py (issue 26's training step before and after a change):
+#   1. carry .whl, .xfer/lcpp.tar.xz and .xfer/train_old (issue 26's training step before and after a change):
 #      bash benchmarks/lease_bg.sh start syn MMA="0 dp4a" -- bash benchmarks/cuda_lease.sh build tests dp4a profile \
 #        bench trainstep
 #      (tests first: session 30 rewrote every matvec kernel's row dispatch, checked by offline SASS and the
