@@ -174,3 +174,36 @@ def test_tree_steps_are_the_chains_steps(files):
         assert torch.allclose(la[r], a.logits, atol=1e-4) and torch.allclose(sa[r], a.state, atol=1e-4)
         assert torch.allclose(lb[r], b.logits, atol=1e-4) and torch.allclose(sb[r], b.state, atol=1e-4)
     assert not torch.allclose(lb[0], lb[1], atol=1e-3)          # the branches differ
+
+
+def test_the_heads_sampled_draft_is_drawn_over_its_own_vocabulary():
+    """A head with a draft vocabulary (d2t) samples over those ids alone and returns q over the target's ids:
+    the same distribution as the softmax over the target's vocabulary with -inf elsewhere (filters included),
+    the drawn ids follow it, and a repeat penalty (which reads the target's ids) takes that full path."""
+    from jllm.sampling import SamplingParams, make_generator
+    from jllm.spec.proposers import Chooser
+
+    V, ids = 50, [1, 4, 7, 9, 20, 21, 33, 40, 41, 49]
+    logits = torch.randn(len(ids), generator=torch.Generator().manual_seed(0)) * 2
+
+    def to_target(lg):
+        out = torch.full((V,), float("-inf"))
+        out[ids] = lg
+        return out
+
+    fast, full = Chooser(None, ids, to_target, V), Chooser(None, ids, to_target)
+    for params in (SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=1.3, top_k=4),
+                   SamplingParams(temperature=1.0, repeat_penalty=1.3)):
+        gen = make_generator(1)
+        tok, p, q = fast(logits, params, gen, [4, 20])
+        _, _, want = full(logits, params, make_generator(1), [4, 20])
+        assert q.shape == (V,) and torch.allclose(q, want, atol=1e-6) and tok in ids and p == q[tok].item()
+        counts = torch.zeros(V)
+        for _ in range(4000):
+            counts[fast(logits, params, gen, [4, 20])[0]] += 1
+        support = want > 0
+        assert counts[~support].sum() == 0
+        expected = want[support] * 4000
+        stat = ((counts[support] - expected) ** 2 / expected).sum().item()
+        critical = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12, 9: 27.88}
+        assert stat < critical[int(support.sum()) - 1], stat             # chi-square at p = 0.001

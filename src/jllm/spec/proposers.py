@@ -195,10 +195,12 @@ def _chain_first(nodes: list[_Node]) -> list[int]:
 class Chooser:
     """Picks a draft token from a proposer's logits over `vocab_ids` (None: the target's ids themselves)."""
 
-    def __init__(self, kernels=None, vocab_ids: list[int] | None = None, to_target=None):
+    def __init__(self, kernels=None, vocab_ids: list[int] | None = None, to_target=None, target_vocab: int = 0):
         self.top_prob = kernels.top_prob if kernels is not None else None   # argmax and its probability, native
         self.ids = vocab_ids
         self.to_target = to_target          # draft-vocabulary logits -> target-vocabulary logits (sampling)
+        self.target_vocab = target_vocab
+        self._ids_t = torch.tensor(vocab_ids, dtype=torch.int64) if vocab_ids is not None else None
 
     def __call__(self, logits: torch.Tensor, params: SamplingParams, gen, history: list[int]):
         """-> (token, its probability, the distribution it was drawn from or None when greedy)."""
@@ -209,6 +211,16 @@ class Chooser:
                 top_p, tok = torch.softmax(logits.float(), -1).max(-1)
                 tok, p = int(tok), top_p.item()
             return (self.ids[tok] if self.ids is not None else tok), p, None
+        if self._ids_t is not None and self.target_vocab and params.repeat_penalty == 1.0:
+            # Sampled over the draft vocabulary itself (~1/5 of the target's ids for a head), then placed among
+            # the target's: what the target's ids outside it would get is 0 either way, and no step pays for a
+            # softmax, top-p and a CDF over 151,936 ids (0.2-0.9 ms a step against ~0.1; a repeat penalty,
+            # which reads the target's ids of the history, takes the full path below)
+            qd = probs(logits, params, ())
+            i = int(draw(qd[None], gen)[0])
+            q = torch.zeros(self.target_vocab, dtype=qd.dtype, device=qd.device)
+            q[self._ids_t.to(qd.device)] = qd
+            return self.ids[i], qd[i].item(), q
         q = probs(self.to_target(logits) if self.to_target is not None else logits, params, history)
         tok = int(draw(q[None], gen)[0])
         return tok, q[tok].item(), q
@@ -276,7 +288,8 @@ class HeadProposer:
         self.head, self.target = head, target
         self.paired: list[int] = []
         ids = head._d2t_list
-        self.choose = Chooser(head.kernels, ids, head.target_logits if ids is not None else None)
+        self.choose = Chooser(head.kernels, ids, head.target_logits if ids is not None else None,
+                              head.target.cfg.vocab_size)
 
     def prepare(self, context: list[int]) -> None:
         self.catch_up(context)
