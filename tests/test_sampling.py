@@ -254,12 +254,21 @@ def _nucleus_by_sorting(pr: torch.Tensor, top_p: float) -> torch.Tensor:
     return keep
 
 
-@pytest.mark.parametrize("kind", ["peaked", "flat", "flat-zeros", "ties", "small", "topk-zeros"])
-def test_the_nucleus_without_a_full_sort_is_the_sorted_one(kind):
-    """sampling.nucleus looks at the most likely 256, then 4,096, and sorts all only when neither holds top_p:
-    the set is the full sort's in every case, ties at its edge taken by id."""
-    from jllm.sampling import nucleus
+@pytest.mark.parametrize("impl", ["torch", "native"])
+@pytest.mark.parametrize("kind", ["peaked", "flat", "flat-zeros", "ties", "small", "topk-zeros", "long-tail"])
+def test_the_nucleus_without_a_full_sort_is_the_sorted_one(kind, impl):
+    """Both ways of finding top-p's set without sorting everything (torch: the most likely 256, then 4,096;
+    native: the ids above a falling share of the largest) give the full sort's set in every case, ties at its
+    edge taken by id, and the same set as each other."""
+    from jllm.kernels import qgemm
+    from jllm.sampling import nucleus_torch
 
+    if impl == "native":
+        if qgemm() is None:
+            pytest.skip("no native kernels here")
+        nucleus = qgemm().nucleus
+    else:
+        nucleus = nucleus_torch
     g = torch.Generator().manual_seed(hash(kind) % 1000)
     for trial in range(6):
         if kind == "flat-zeros":                  # a head's flat distribution over part of the ids: sorts those
@@ -273,13 +282,18 @@ def test_the_nucleus_without_a_full_sort_is_the_sorted_one(kind):
             logits = torch.randint(0, 6, (20000,), generator=g).float()
         elif kind == "small":                     # fewer ids than the first try
             logits = torch.randn(200, generator=g) * 2
+        elif kind == "long-tail":                 # a few likely ids, then a tail holding much of the mass
+            logits = torch.randn(20000, generator=g)
+            logits[:5] += 9
         else:                                     # top-k's zeros after the candidates
             logits = torch.full((20000,), float("-inf"))
             logits[torch.randperm(20000, generator=g)[:40]] = torch.randn(40, generator=g)
         pr = torch.softmax(logits, -1)
         for top_p in (1e-6, 0.3, 0.5, 0.9, 0.95, 0.999):
             got = nucleus(pr, top_p)
-            want = _nucleus_by_sorting(pr, top_p) if not kind.startswith("flat") or top_p < 0.5 else None
+            if impl == "native":
+                assert torch.equal(got, nucleus_torch(pr, top_p)), (kind, trial, top_p)
+            want = _nucleus_by_sorting(pr, top_p) if not kind.startswith(("flat", "long")) or top_p < 0.5 else None
             if want is None:                      # the plain loop over 20,000 is slow: its mass rule instead
                 assert float(pr[got].sum()) >= top_p - 1e-6 and float(pr[got].sum() - pr[got].min()) < top_p
                 assert float(pr[got].min()) >= float(pr[~got].max())

@@ -24,7 +24,8 @@ import sys
 import threading
 from pathlib import Path
 
-_SOURCES = [Path(__file__).with_name(n) for n in ("qgemm.cpp", "attention.cpp", "rowwise.cpp", "layers.cpp")]
+_SOURCES = [Path(__file__).with_name(n) for n in ("qgemm.cpp", "attention.cpp", "rowwise.cpp", "layers.cpp",
+                                                          "sampling.cpp")]
 _HEADERS = [Path(__file__).with_name(n) for n in ("vecmath.h", "kernels.h")]
 _ISA_FLAGS = {"avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mf16c"],
               "avx2": ["-mavx2", "-mfma", "-mf16c"]}
@@ -163,6 +164,12 @@ def qgemm():
             if not _abandoned:                       # (a build cut short by the user's Ctrl-C says nothing)
                 print(f"jllm: {_why_not}; using the slower FBGEMM int8 path", file=sys.stderr)
         return _module
+
+
+def loaded():
+    """The kernel module if it is built and loaded already, else None; never starts a build (for callers such
+    as sampling that have a torch path of their own and must not wait for a compile)."""
+    return _module if _tried else None
 
 
 def build_in_background() -> None:

@@ -53,6 +53,7 @@ void rope_store_raw(const float* q, int64_t qs, const float* k, int64_t ks, cons
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 std::tuple<int64_t, double> top_prob(torch::Tensor logits);
 std::vector<int64_t> argmax_rows(torch::Tensor x);
+torch::Tensor nucleus(torch::Tensor pr, double top_p);                                 // sampling.cpp
 torch::Tensor glu(torch::Tensor gu, bool gelu);
 torch::Tensor rope_store(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
                          bool neox, int64_t rope_dim, torch::Tensor kc, torch::Tensor vc, int64_t start);

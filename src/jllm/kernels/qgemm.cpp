@@ -623,6 +623,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("glu", &glu, "act(gate) * up, act silu or gelu-tanh");
     m.def("argmax_rows", &argmax_rows, "index of each row's largest value (torch.argmax's rules)");
     m.def("top_prob", &top_prob, "argmax of a logits row and its softmax probability");
+    m.def("nucleus", &nucleus, "top-p's set of a distribution (jllm.sampling.nucleus's, bit for bit)");
     m.def("rope_store", &rope_store, "rotary embedding of q and k, k and v written to the cache");
     register_stack(m);
 }
