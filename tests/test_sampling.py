@@ -254,6 +254,26 @@ def _nucleus_by_sorting(pr: torch.Tensor, top_p: float) -> torch.Tensor:
     return keep
 
 
+def test_the_native_nucleus_with_denormals_flushed():
+    """Where the whole mass is below top_p every id is kept, zeros too, also with the CPU flushing denormals
+    (the gather's compare against the float below 0 would read it as -0 there)."""
+    from jllm.kernels import qgemm
+    from jllm.sampling import nucleus_torch
+
+    if qgemm() is None:
+        pytest.skip("no native kernels here")
+    pr = torch.zeros(40)
+    pr[0], pr[1], pr[2:5] = 0.5, 0.25, 1e-40
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        for top_p in (0.9, 0.99):
+            assert torch.equal(qgemm().nucleus(pr, top_p), nucleus_torch(pr, top_p))
+            assert bool(qgemm().nucleus(pr, top_p).all())
+    finally:
+        torch.set_flush_denormal(False)
+
+
 @pytest.mark.parametrize("impl", ["torch", "native"])
 @pytest.mark.parametrize("kind", ["peaked", "flat", "flat-zeros", "ties", "small", "topk-zeros", "long-tail"])
 def test_the_nucleus_without_a_full_sort_is_the_sorted_one(kind, impl):

@@ -35,6 +35,10 @@ float row_max(const float* p, int64_t V) {
 // time, the rare lanes that pass read one by one.
 void gather(const float* p, int64_t V, float tau, std::vector<std::pair<float, int64_t>>& c) {
     c.clear();
+    if (tau == 0.0f) {                           // every id (no compare: with denormals flushed the float below 0
+        for (int64_t i = 0; i < V; ++i) c.emplace_back(p[i], i);   // would read as -0, and 0 > -0 fails)
+        return;
+    }
     const vf below = vset1(std::nextafter(tau, -INFINITY));       // p >= tau as p > the float below tau
     for (int64_t i = 0; i < V; i += 16) {
         const vmask t = tail_mask(V - i);

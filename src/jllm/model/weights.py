@@ -98,12 +98,9 @@ class Embedding:
         cache = self._cache
         seen = set()
         for j in range(len(ids) - 1, -1, -1):          # the latest occurrence of each id, at most CACHED_ROWS
-            i = ids[j]
-            if i in seen:
-                continue
-            seen.add(i)
-            if len(seen) > self.CACHED_ROWS:
+            if len(seen) == self.CACHED_ROWS:
                 break
+            seen.add(ids[j])
         for j, i in enumerate(ids):
             if i not in seen:
                 continue

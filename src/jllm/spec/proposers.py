@@ -218,8 +218,10 @@ class Chooser:
             # which reads the target's ids of the history, takes the full path below)
             qd = probs(logits, params, ())
             i = int(draw(qd[None], gen)[0])
+            if self._ids_t.device != qd.device:              # once: where the head's logits are
+                self._ids_t = self._ids_t.to(qd.device)
             q = torch.zeros(self.target_vocab, dtype=qd.dtype, device=qd.device)
-            q[self._ids_t.to(qd.device)] = qd
+            q[self._ids_t] = qd
             return self.ids[i], qd[i].item(), q
         q = probs(self.to_target(logits) if self.to_target is not None else logits, params, history)
         tok = int(draw(q[None], gen)[0])
