@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import zlib
 
 import pytest
 import torch
@@ -289,7 +290,7 @@ def test_the_nucleus_without_a_full_sort_is_the_sorted_one(kind, impl):
         nucleus = qgemm().nucleus
     else:
         nucleus = nucleus_torch
-    g = torch.Generator().manual_seed(hash(kind) % 1000)
+    g = torch.Generator().manual_seed(zlib.crc32(kind.encode()) % 1000)     # the same data in every run
     for trial in range(6):
         if kind == "flat-zeros":                  # a head's flat distribution over part of the ids: sorts those
             logits = torch.full((20000,), float("-inf"))
@@ -315,7 +316,8 @@ def test_the_nucleus_without_a_full_sort_is_the_sorted_one(kind, impl):
                 assert torch.equal(got, nucleus_torch(pr, top_p)), (kind, trial, top_p)
             want = _nucleus_by_sorting(pr, top_p) if not kind.startswith(("flat", "long")) or top_p < 0.5 else None
             if want is None:                      # the plain loop over 20,000 is slow: its mass rule instead
-                assert float(pr[got].sum()) >= top_p - 1e-6 and float(pr[got].sum() - pr[got].min()) < top_p
+                mass = float(pr[got].double().sum())  # summed in another order than the rule's: a little slack
+                assert mass >= top_p - 1e-6 and mass - float(pr[got].min()) < top_p + 1e-6
                 assert float(pr[got].min()) >= float(pr[~got].max())
             else:
                 assert torch.equal(got, want), (kind, trial, top_p)
