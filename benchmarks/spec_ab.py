@@ -6,6 +6,7 @@ runs differ by ±0.05x from that noise alone.
     python benchmarks/spec_ab.py --a p_min=0.7 --b p_min=0.6 [--limit N]
     python benchmarks/spec_ab.py -md qwen2.5-coder-1.5b-eagle3 --b gate.off_below=0.85
     python benchmarks/spec_ab.py -md qwen2.5-coder-1.5b-eagle3 --temp 1.0 --b p_min=0.5     # sampled
+    python benchmarks/spec_ab.py -md qwen2.5-coder-1.5b-eagle3 --b-draft qwen2.5-coder-0.5b  # two proposers
 
 Keys are SpecConfig fields, or `gate.` and a DraftGate argument (jllm.spec.policy); values are parsed as
 int, float or str. Besides time, each configuration's target passes are counted (tokens - accepted: verify
@@ -66,6 +67,8 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=128)
     ap.add_argument("--a", default="", help="configuration A: SpecConfig overrides, key=value,...")
     ap.add_argument("--b", default="", help="configuration B")
+    ap.add_argument("--b-draft", default=None, help="configuration B drafts with this model or head instead "
+                    "(a second engine over the same target)")
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--json", default=None, help="write every prompt's figures here")
     ap.add_argument("--temp", type=float, default=0.0, help="sample at this temperature (0: greedy, the default)")
@@ -77,6 +80,8 @@ def main() -> None:
     cfgs = {name: replace(base, **spec) for name, (spec, _) in split.items()}
     rows = []
     eng = Engine(str(resolve(a.model)), draft_path=str(resolve(a.draft)), spec=base)
+    engines = {"A": eng, "B": Engine(str(resolve(a.model)), draft_path=str(resolve(a.b_draft)), spec=base)
+               if a.b_draft else eng}
     params = SamplingParams(max_tokens=a.n, temperature=a.temp, top_p=a.top_p, seed=a.seed)
     sums = defaultdict(lambda: defaultdict(float))         # category -> plain/A/B -> seconds; tokens
     t0 = time.perf_counter()
@@ -87,7 +92,7 @@ def main() -> None:
         for name in ("AB" if i % 2 == 0 else "BA"):
             jllm.engine.DraftGate = functools.partial(DraftGate, **split[name][1])
             try:
-                out, st = _run(eng, ids, params, cfgs[name])
+                out, st = _run(engines[name], ids, params, cfgs[name])
             finally:
                 jllm.engine.DraftGate = DraftGate
             if params.greedy:
@@ -107,7 +112,8 @@ def main() -> None:
                 s["passes " + name] += passes[name]
         p = plain.timings.decode_ms / 1000
         print(f"{item['id']:<32} A {p / res['A']:5.2f}x  B {p / res['B']:5.2f}x", flush=True)
-    print(f"\nA: {a.a or 'defaults'}    B: {a.b or 'defaults'}    ({time.perf_counter() - t0:.0f} s)")
+    print(f"\nA: {a.draft} {a.a or 'defaults'}    B: {a.b_draft or a.draft} {a.b or 'defaults'}    "
+          f"({time.perf_counter() - t0:.0f} s)")
     print(f"{'category':<14} {'plain tok/s':>12} {'A speedup':>10} {'B speedup':>10} {'passes A':>9} {'passes B':>9}")
     for cat in sorted(sums, key=lambda c: c == "ALL"):
         s = sums[cat]
@@ -115,7 +121,8 @@ def main() -> None:
               f"{s['passes A']:>9.0f} {s['passes B']:>9.0f}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"model": a.model, "draft": a.draft, "a": a.a, "b": a.b, "rows": rows}, f, indent=1)
+            json.dump({"model": a.model, "draft": a.draft, "b_draft": a.b_draft, "a": a.a, "b": a.b, "rows": rows}, f,
+                      indent=1)
 
 
 if __name__ == "__main__":
