@@ -106,8 +106,8 @@ def nucleus(pr: torch.Tensor, top_p: float) -> torch.Tensor:
     tokens before which the mass is still below top_p (the smallest prefix whose mass reaches top_p), the mass
     before a token being (running sum in double up to and including it) - (its own).
 
-    The native kernels' nucleus where they are loaded (one pass gathers the likely ids, only those are sorted:
-    ~0.1 ms for 151,936 ids), else nucleus_torch: the same set either way (tests/test_sampling.py)."""
+    The native kernels' nucleus where they are loaded (one pass gathers the likely ids, only those are sorted),
+    else nucleus_torch: the same set either way (tests/test_sampling.py)."""
     from jllm.kernels import loaded
 
     native = loaded()

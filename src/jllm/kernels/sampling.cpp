@@ -1,6 +1,6 @@
 // Top-p's set of a distribution without sorting all of it, for jllm.sampling.nucleus: the same set, bit for bit,
-// in one pass that gathers the likely ids and a sort of those alone, where torch's way (topk, cumsum, masks over
-// the whole row) took ~0.4 ms a row of 151,936.
+// from one pass that gathers the likely ids and a sort of those alone (torch's way runs topk, cumsum and masks
+// over the whole row; BENCHMARKS.md, "top-p's set in one native pass").
 //
 // The set: in the order of falling probability, ties by ascending id (a stable sort's), the tokens whose running
 // mass before them, computed in double as (sum up to and including them) - (their own), is below top_p. The

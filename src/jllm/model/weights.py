@@ -93,8 +93,7 @@ class Embedding:
 
     def _keep(self, ids: list[int], rows: torch.Tensor) -> None:
         """A prompt's rows into the row cache (copies, not views of the chunk), its latest CACHED_ROWS ids:
-        a reply that repeats the prompt's words then looks them up for free (the corpus's replies: ~60 % of
-        their steps had to dequantize a row without it)."""
+        a reply that repeats the prompt's words then finds their rows without dequantizing them."""
         cache = self._cache
         seen = set()
         for j in range(len(ids) - 1, -1, -1):          # the latest occurrence of each id, at most CACHED_ROWS

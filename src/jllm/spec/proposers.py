@@ -212,10 +212,10 @@ class Chooser:
                 tok, p = int(tok), top_p.item()
             return (self.ids[tok] if self.ids is not None else tok), p, None
         if self._ids_t is not None and self.target_vocab and params.repeat_penalty == 1.0:
-            # Sampled over the draft vocabulary itself (~1/5 of the target's ids for a head), then placed among
-            # the target's: what the target's ids outside it would get is 0 either way, and no step pays for a
-            # softmax, top-p and a CDF over 151,936 ids (0.2-0.9 ms a step against ~0.1; a repeat penalty,
-            # which reads the target's ids of the history, takes the full path below)
+            # Sampled over the draft vocabulary itself, then placed among the target's ids: those outside it
+            # get 0 either way, and no draft step pays for a softmax, top-p and a CDF over the whole target
+            # vocabulary (BENCHMARKS.md, "The head's sampled drafts"). A repeat penalty, which reads the
+            # history's target ids, takes the full path below.
             qd = probs(logits, params, ())
             i = int(draw(qd[None], gen)[0])
             if self._ids_t.device != qd.device:              # once: where the head's logits are
