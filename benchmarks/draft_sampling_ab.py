@@ -10,22 +10,17 @@ from __future__ import annotations
 
 import argparse
 
+from sampling_ab import add_args, decode, params_of
+
 from jllm.catalog import resolve
 from jllm.engine import Engine
-from jllm.sampling import SamplingParams
 from jllm.spec.config import SpecConfig
 from jllm.spec.corpus import load_corpus
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("-m", "--model", default="qwen2.5-coder-1.5b")
-    ap.add_argument("-md", "--draft-model", default="qwen2.5-coder-1.5b-eagle3")
-    ap.add_argument("--temp", type=float, default=1.0)
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--top-k", type=int, default=0)
-    ap.add_argument("--min-p", type=float, default=0.0)
-    ap.add_argument("-n", type=int, default=96)
+    add_args(ap, temp=1.0, top_p=1.0)
     ap.add_argument("--every", type=int, default=3)
     a = ap.parse_args()
     eng = Engine(str(resolve(a.model)), draft_path=str(resolve(a.draft_model)), spec=SpecConfig())
@@ -33,20 +28,13 @@ def main() -> None:
     if choose.ids is None:
         raise SystemExit(f"{a.draft_model} scores the target's whole vocabulary: nothing to compare")
     versions = {"A draft vocabulary": choose.target_vocab, "B whole vocabulary": 0}   # 0: the full path
-    params = SamplingParams(temperature=a.temp, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p, seed=0,
-                            max_tokens=a.n)
+    params = params_of(a)
     items = load_corpus()[::a.every]
     res: dict = {}
     for order in (list(versions), list(versions)[::-1]):
         for name in order:
             choose.target_vocab = versions[name]
-            tok = sec = draft = 0.0
-            for it in items:
-                eng.reset()
-                r = eng.generate(eng.chat_ids(it["messages"]), params)
-                tok += len(r.token_ids)
-                sec += r.timings.decode_ms / 1000
-                draft += r.spec_stats.draft_s
+            tok, sec, draft = decode(eng, items, params)
             res.setdefault(name, []).append((tok / sec, draft / sec))
     print(f"{len(items)} prompts, {a.n} tokens, temperature {a.temp}, top-p {a.top_p}, top-k {a.top_k}, "
           f"min-p {a.min_p}; speculative decode tok/s (drafting's share of the time), two runs each")

@@ -20,16 +20,38 @@ from jllm.spec.config import SpecConfig
 from jllm.spec.corpus import load_corpus
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("other", help="another sampling.py, whose probs is B")
+def add_args(ap: argparse.ArgumentParser, temp: float, top_p: float) -> None:
+    """The model, the proposer and the sampling settings of a sampled A/B (this script, draft_sampling_ab.py)."""
     ap.add_argument("-m", "--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("-md", "--draft-model", default="qwen2.5-coder-1.5b-eagle3")
-    ap.add_argument("--temp", type=float, default=0.8)
-    ap.add_argument("--top-p", type=float, default=0.95)
+    ap.add_argument("--temp", type=float, default=temp)
+    ap.add_argument("--top-p", type=float, default=top_p)
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--min-p", type=float, default=0.0)
     ap.add_argument("-n", type=int, default=96)
+
+
+def params_of(a: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(temperature=a.temp, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p, seed=0, max_tokens=a.n)
+
+
+def decode(eng: Engine, items: list[dict], params: SamplingParams) -> tuple[float, float, float]:
+    """Each corpus item from a cold engine (speculation as eng.spec says) -> (tokens, decode seconds, drafting
+    seconds), summed."""
+    tok = sec = draft = 0.0
+    for it in items:
+        eng.reset()
+        r = eng.generate(eng.chat_ids(it["messages"]), params)
+        tok += len(r.token_ids)
+        sec += r.timings.decode_ms / 1000
+        draft += r.spec_stats.draft_s if r.spec_stats is not None else 0.0
+    return tok, sec, draft
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("other", help="another sampling.py, whose probs is B")
+    add_args(ap, temp=0.8, top_p=0.95)
     a = ap.parse_args()
     spec = importlib.util.spec_from_file_location("sampling_other", a.other)
     other = importlib.util.module_from_spec(spec)
@@ -40,8 +62,7 @@ def main() -> None:
 
     eng = Engine(str(resolve(a.model)), draft_path=str(resolve(a.draft_model)), spec=SpecConfig())
     cfg = eng.spec
-    params = SamplingParams(temperature=a.temp, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p, seed=0,
-                            max_tokens=a.n)
+    params = params_of(a)
     items = load_corpus()[::6]
     res: dict = {}
     for order in (list(versions), list(versions)[::-1]):
@@ -49,13 +70,8 @@ def main() -> None:
             for m in mods:
                 m.probs = versions[name]
             for spec_cfg in (None, cfg):
-                tok = sec = 0.0
-                for it in items:
-                    eng.spec = spec_cfg
-                    eng.reset()
-                    r = eng.generate(eng.chat_ids(it["messages"]), params)
-                    tok += len(r.token_ids)
-                    sec += r.timings.decode_ms / 1000
+                eng.spec = spec_cfg
+                tok, sec, _ = decode(eng, items, params)
                 res.setdefault((name, "speculative" if spec_cfg else "plain"), []).append(tok / sec)
     print(f"{len(items)} prompts, {a.n} tokens, temperature {a.temp}, top-p {a.top_p}, top-k {a.top_k}, "
           f"min-p {a.min_p}; decode tok/s, two runs each")

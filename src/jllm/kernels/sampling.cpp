@@ -66,22 +66,16 @@ torch::Tensor nucleus(torch::Tensor pr, double top_p) {
         std::sort(c.begin(), c.end(), [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
             return a.first > b.first || (a.first == b.first && a.second < b.second);
         });
+        // the mass before a token never falls along the order (adding e_j rounds by less than e_j, and
+        // e_j <= e_{j-1}), so the tokens whose mass before is below top_p are the first m
         double mass = 0.0;
         size_t m = 0;
         for (const auto& e : c) {
             mass += (double)e.first;
             m += mass - (double)e.first < top_p;
         }
-        if (m < c.size()) {                              // the set ends inside: the first m
+        if (m < c.size() || tau == 0.0f) {               // the set ends inside, or every id is sorted
             for (size_t j = 0; j < m; ++j) keep[c[j].second] = true;
-            return mask;
-        }
-        if (tau == 0.0f) {                               // every id sorted: each one whose mass before is below
-            mass = 0.0;
-            for (const auto& e : c) {
-                mass += (double)e.first;
-                keep[e.second] = mass - (double)e.first < top_p;
-            }
             return mask;
         }
     }

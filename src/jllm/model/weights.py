@@ -94,26 +94,16 @@ class Embedding:
     def _keep(self, ids: list[int], rows: torch.Tensor) -> None:
         """A prompt's rows into the row cache (copies, not views of the chunk), its latest CACHED_ROWS ids:
         a reply that repeats the prompt's words then finds their rows without dequantizing them."""
-        cache = self._cache
-        seen = set()
-        for j in range(len(ids) - 1, -1, -1):          # the latest occurrence of each id, at most CACHED_ROWS
-            if len(seen) == self.CACHED_ROWS:
-                break
-            seen.add(ids[j])
-        for j, i in enumerate(ids):
-            if i not in seen:
-                continue
-            row = cache.pop(i, None)
-            cache[i] = rows[j].clone() if row is None else row     # newest last
-            if len(cache) > self.CACHED_ROWS:
-                del cache[next(iter(cache))]
+        for j, i in enumerate(ids):                      # in order: the LRU keeps the latest ids
+            self._row(i, lambda j=j: rows[j].clone())
 
-    def _row(self, i: int) -> torch.Tensor:
-        """One dequantized row, from a small LRU cache (a step's lookup otherwise costs ~0.4 ms of numpy)."""
+    def _row(self, i: int, make=None) -> torch.Tensor:
+        """Row i from a small LRU cache (a step's lookup otherwise costs ~0.4 ms of numpy), else make() (by
+        default its dequantization), cached; the row moves to the newest end, the oldest goes past CACHED_ROWS."""
         cache = self._cache
         row = cache.pop(i, None)
         if row is None:
-            row = self._dequantize(np.array([i]))[0]
+            row = make() if make is not None else self._dequantize(np.array([i]))[0]
             if len(cache) >= self.CACHED_ROWS:
                 del cache[next(iter(cache))]
         cache[i] = row

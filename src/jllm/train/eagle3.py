@@ -190,11 +190,10 @@ class Eagle3Head(nn.Module):
         # the padding as well, and the target's distribution is made once for all steps.
         if rows is None:
             b, t0 = reply_rows(lengths, reply_start, T)
-            target_logits, target_top = target_logits[b, t0 + 1], target_top[b, t0 + 1]
+            target_logits, top = target_logits[b, t0 + 1], target_top[b, t0 + 1]
         else:
-            b, t0 = rows
-        target_p = torch.softmax(target_logits.float(), dim=-1)              # [R, Vd]
-        top = target_top                                                     # [R]
+            (b, t0), top = rows, target_top
+        target_p = torch.softmax(target_logits.float(), dim=-1)              # [R, Vd]; top [R]
         countable = t2d[top]                                                 # the target's top token is draftable
         total = feats.new_zeros((), dtype=torch.float32)
         scores = []
