@@ -31,15 +31,20 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="refuse to load a configuration whose planned memory exceeds this (see jllm plan)")
 
 
+def _sampler_flags(p: argparse.ArgumentParser, temp_help: str = "temperature; 0 = greedy (default)",
+                   when: str | None = None) -> None:
+    """--temp, --top-k, --top-p, --min-p: generation's and bench's (`when` says when bench reads them)."""
+    p.add_argument("--temp", type=float, default=0.0, help=temp_help)
+    for flag, kind, default in (("--top-k", int, 0), ("--top-p", float, 1.0), ("--min-p", float, 0.0)):
+        p.add_argument(flag, type=kind, default=default, help=when)
+
+
 def _sampling_args(p: argparse.ArgumentParser, n_predict: int | None = 256) -> None:
     default = ("-1 with a chat template, 256 for a base model" if n_predict is None else str(n_predict))
     p.add_argument("-n", "--n-predict", type=int, default=n_predict,
                    help=f"max tokens to generate; -1: until the end of the answer or a full context (default "
                         f"{default})")
-    p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
+    _sampler_flags(p)
     p.add_argument("--repeat-penalty", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -655,11 +660,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--draft-tree", type=int, default=0, metavar="W")
     b.add_argument("-n", "--n-predict", type=int, default=128, help="tokens per prompt for --spec")
     b.add_argument("--limit", type=int, default=None, help="only the first N corpus prompts")
-    b.add_argument("--temp", type=float, default=0.0, help="--spec: sample at this temperature in both runs "
-                   "(0: greedy, the default, where the outputs must be identical)")
-    b.add_argument("--top-k", type=int, default=0, help="--spec with --temp")
-    b.add_argument("--top-p", type=float, default=1.0, help="--spec with --temp")
-    b.add_argument("--min-p", type=float, default=0.0, help="--spec with --temp")
+    _sampler_flags(b, "--spec: sample at this temperature in both runs (0: greedy, the default, where the "
+                   "outputs must be identical)", when="--spec with --temp")
     b.add_argument("--seed", type=int, default=0, help="--spec with --temp: each prompt's runs start from it")
     b.add_argument("--wrong-draft", action="store_true",
                    help="--spec with a draft whose every proposal is wrong (at full draft cost): the worst case")
