@@ -59,6 +59,20 @@ def test_head_proposes_and_the_output_is_plain_decodings(files):
     assert eng.generate(PROMPT, s).token_ids == a and len(a) == 32
 
 
+def test_a_one_token_prompt_drafts_from_the_second_token_on(files):
+    """A prompt of one token gives the head no (state, next token) pair to prepare: the first round drafts
+    nothing, the later ones do: greedy output is plain decoding's, sampled output comes whole and repeats."""
+    one = engine(files["target"], mode="none").encode(PROMPT)[:1]
+    p = SamplingParams(max_tokens=24)
+    ref = engine(files["target"], mode="none").generate(one, p)
+    out = engine(files["target"], files["head"]).generate(one, p)
+    assert out.token_ids == ref.token_ids and len(out.token_ids) == 24
+    assert out.spec_stats.as_dict()["by_proposer"]["head"]["drafted"] > 0
+    s = SamplingParams(max_tokens=24, temperature=1.0, seed=3)
+    a, b = (engine(files["target"], files["head"]).generate(one, s) for _ in range(2))
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 24
+
+
 def test_catch_up_pairs_states_with_the_next_token(files):
     eng = engine(files["target"], files["head"])
     eng.generate(PROMPT, SamplingParams(max_tokens=20))

@@ -329,6 +329,9 @@ class HeadProposer:
         """Cover positions 0 .. len(context) - 2 -> the last row's prediction (None: the target's states
         for the missing rows are not here, as right after a hydrate without the head's state)."""
         n = len(context) - 1
+        if n < 1:                         # a one-token prompt: no (state, next token) pair to cover yet
+            self.reset()
+            return None
         keep = min(common_prefix(self.paired, context[1:]), n - 1, self.head.length)
         self.head.truncate(keep)
         del self.paired[keep:]
