@@ -11,6 +11,7 @@ import torch
 
 from synthetic import write_tiny_model
 
+from jllm.errors import JllmError
 from jllm.eagle3 import format as fmt
 from jllm.gguf.reader import read_gguf
 from jllm.model.config import config_from_gguf
@@ -361,6 +362,31 @@ def test_cli_passes_its_arguments_to_the_trainer(capsys, tmp_path):
     assert "--checkpoint writes the head at each held-out score" in capsys.readouterr().err
 
 
+def test_bad_arguments_fail_before_any_work(capsys, tmp_path):
+    """A typo in --qtype, an -o or --data that cannot be written, --data that is not ours, a missing --init:
+    one line each, before the target loads (here no target exists: its error would come later)."""
+    from jllm import cli
+
+    out, junk = str(tmp_path / "h.gguf"), tmp_path / "x.gguf"
+    junk.write_bytes(b"GGUF" + bytes(100))
+    np.save(tmp_path / "arr.npy", np.zeros(3))
+    cases = [
+        (["-o", out, "--qtype", "Q4_K"], "--qtype Q4_K: not one of"),
+        (["-o", str(tmp_path / "no-dir" / "h.gguf")], "cannot write the head"),
+        (["-o", str(tmp_path)], "cannot write the head"),
+        (["-o", out, "--data", str(tmp_path / "no-dir" / "d.npz")], "cannot write the training data"),
+        (["-o", out, "--init", str(tmp_path / "none.gguf")], "--init"),
+    ]
+    for extra, want in cases:
+        assert cli.main(["train-head", "-m", "no-such-model", *extra]) == 1
+        err = capsys.readouterr().err.strip()
+        assert want in err and "\n" not in err, (extra, err)
+    assert not list(tmp_path.glob("*.probe"))
+    for bad in (junk, tmp_path / "arr.npy"):
+        with pytest.raises(JllmError, match="not jllm training data"):
+            data_mod.Conversations.load(bad)
+
+
 def test_batched_decoder_matches_transformers_generate(target):
     """The data maker's decoder (static cache, left padding) gives `generate`'s greedy tokens, row by row."""
     tg, _, _ = target
@@ -558,7 +584,6 @@ def test_a_run_can_start_from_a_written_head(target, tmp_path):
     """--init: every tensor comes back from the file, the output rows through both draft vocabularies (a
     target id in both takes the file's row, a new one keeps the target's row); a head of another shape is
     refused in one line naming what differs."""
-    from jllm.errors import JllmError
     from jllm.train.head import init_from_head
 
     tg, _, d = target

@@ -176,7 +176,13 @@ class Conversations:
 
     @classmethod
     def load(cls, path, fingerprint: str | None = None) -> "Conversations":
-        with np.load(path) as z:
+        try:
+            z = np.load(path)                   # refuses pickled objects: a file from elsewhere runs nothing
+        except (OSError, ValueError) as e:
+            raise JllmError(f"{path}: not jllm training data ({str(e).splitlines()[0]})") from None
+        if not isinstance(z, np.lib.npyio.NpzFile) or "meta" not in z.files:
+            raise JllmError(f"{path}: not jllm training data (no meta in it)")
+        with z:
             meta = json.loads(str(z["meta"]))
             if meta.get("version") != FORMAT_VERSION:
                 raise JllmError(f"{path}: training data of format {meta.get('version')}, this jllm reads "

@@ -366,10 +366,40 @@ def _checkpoint(out: str, head: Eagle3Head, model: str, qtype) -> None:
     print(f"checkpoint: {out}")
 
 
-def _run(a) -> int:
-    t0 = time.perf_counter()
+def _writable(path: str, what: str) -> None:
+    """Fail now, not after an hour of work, where `path` cannot be written (a probe file beside it)."""
+    probe = Path(f"{path}.probe")
+    try:
+        if Path(path).is_dir():
+            raise IsADirectoryError(f"{path} is a directory")
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise JllmError(f"cannot write {what} {path}: {e.strerror or e}") from None
+
+
+def _check_args(a) -> "gguf.GGMLQuantizationType":
+    """Everything about the arguments that can be known before the target loads -> the file's matrix type."""
+    from jllm.train.export import QUANTIZABLE
+
     if a.checkpoint and not a.holdout:
         raise JllmError("--checkpoint writes the head at each held-out score: it needs --holdout > 0")
+    qtype = next((q for q in QUANTIZABLE if q.name == a.qtype.upper()), None)
+    if qtype is None:
+        raise JllmError(f"--qtype {a.qtype}: not one of {', '.join(q.name for q in QUANTIZABLE)}")
+    if not a.data_only:
+        _writable(a.out, "the head")
+    files = a.data.split(",") if a.data else []
+    if len(files) == 1 and not Path(files[0]).exists():
+        _writable(files[0], "the training data")                 # made, then saved there
+    if a.init and not Path(a.init).is_file():
+        raise JllmError(f"--init {a.init}: no such file")
+    return qtype
+
+
+def _run(a) -> int:
+    t0 = time.perf_counter()
+    qtype = _check_args(a)
     a.model = str(resolve(a.model))
     target = load_target(a.model, a.device)
     print(f"target: {Path(a.model).name}, {target.cfg.n_layers} layers, hidden {target.cfg.hidden}, "
@@ -395,7 +425,6 @@ def _run(a) -> int:
     if a.init:
         rows = init_from_head(head, a.init)
         print(f"head: starts from {a.init} ({rows} of its {len(d2t)} output rows from it, the rest the target's)")
-    qtype = getattr(__import__("gguf").GGMLQuantizationType, a.qtype.upper())
     print(f"head: draft vocabulary {len(d2t)}, ffn {head.c.ffn}, layers {list(head.c.target_layers)}, "
           f"~{file_bytes(head, qtype) / 2**20:.1f} MiB of tensors in {qtype.name}")
     tc = TrainConfig(steps=a.steps, lr=a.lr, batch_tokens=a.batch_tokens, max_len=a.max_len, ttt=a.ttt,
