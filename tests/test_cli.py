@@ -227,6 +227,27 @@ def test_bad_sizes_and_spec_values(home, args, words):
     assert_user_error(jllm(home, "generate", "-m", "tiny.gguf", "-p", "hi", *args), *words)
 
 
+@pytest.mark.parametrize("args, words", [
+    (["--decode-tokens", "0"], ["--decode-tokens must be at least 1"]),
+    (["--repeats", "-1"], ["--repeats must be at least 1"]),
+    (["--max-k", "-3"], ["--max-k must be at least 1"]),
+    (["--prompt-tokens", "-5"], ["--prompt-tokens must be at least 1"]),
+    (["--spec", "-n", "0"], ["-n/--n-predict must be at least 1"]),
+    (["--spec", "--limit", "0"], ["--limit must be at least 1"]),
+    (["--spec", "--draft-max", "0"], ["--draft-min <= --draft-max"]),
+    (["--spec", "--spec-mode", "draft"], ["needs a draft model"]),
+    (["--multiturn", "--conversations", "0"], ["--conversations must be at least 1"]),
+    (["--multiturn", "--first-tokens", "100000"], ["--first-tokens must be between 1 and"]),
+    (["--perplexity", "missing.txt"], ["--perplexity missing.txt", "cannot read"]),
+    (["--perplexity", "tiny.gguf"], ["--perplexity tiny.gguf", "UTF-8"]),
+    (["--llamacpp", "/no/such/bin"], ["llama-bench not found"]),
+    (["--json", "/no/such/dir/x.json"], ["--json /no/such/dir/x.json: cannot write there"]),
+    (["--json", "."], ["cannot write there"]),
+])
+def test_bad_bench_settings_are_refused_before_it_runs(home, args, words):
+    assert_user_error(jllm(home, "bench", "-m", "tiny.gguf", *args), *words)
+
+
 def test_a_cache_dir_that_is_a_file(home):
     (home / "afile").write_text("")
     assert_user_error(jllm(home, "chat", "-m", "tiny.gguf", "-p", "hi", "--cache-dir", "afile", "--conversation",

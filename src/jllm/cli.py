@@ -542,7 +542,58 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     return 0
 
 
+def _writable_file(path: str, flag: str) -> None:
+    """--json and the like: fail before the benchmark runs, not after, where the file cannot be written."""
+    from pathlib import Path
+
+    p = Path(path)
+    if p.is_dir() or not p.parent.is_dir() or not os.access(p.parent, os.W_OK) or \
+            (p.exists() and not os.access(p, os.W_OK)):
+        raise JllmError(f"{flag} {path}: cannot write there")
+
+
+def _check_bench(a: argparse.Namespace) -> None:
+    """Every bench setting that can be wrong, refused in one line before a model loads."""
+    from pathlib import Path
+
+    _check_sizes(a)
+    at_least = [("--prompt-tokens", a.prompt_tokens, 1), ("--decode-tokens", a.decode_tokens, 1),
+                ("--max-k", a.max_k, 1), ("--repeats", a.repeats, 1), ("--ppl-tokens", a.ppl_tokens, 2)]
+    if a.spec_corpus:
+        at_least += [("-n/--n-predict", a.n_predict, 1)] + ([("--limit", a.limit, 1)] if a.limit is not None else [])
+        if a.draft_min < 1 or a.draft_max < a.draft_min:
+            raise JllmError(f"need 1 <= --draft-min <= --draft-max (got {a.draft_min}, {a.draft_max})")
+        for flag, v in (("--draft-p-min", a.draft_p_min), ("--draft-leaf-p", a.draft_leaf_p)):
+            if not 0.0 <= v <= 1.0:
+                raise JllmError(f"{flag} must be between 0 and 1 (got {v})")
+        if a.spec_mode in ("draft", "draft+ngram") and not a.draft_model:
+            raise JllmError(f"--spec-mode {a.spec_mode} needs a draft model (-md/--draft-model)")
+    if a.multiturn:
+        at_least += [("--conversations", a.conversations, 1), ("-n/--n-predict", a.n_predict, 1)]
+        if not 1 <= a.first_tokens <= MULTITURN_FIRST_MAX:
+            raise JllmError(f"--first-tokens must be between 1 and {MULTITURN_FIRST_MAX} (the turns run at a "
+                            f"4,096-token context; got {a.first_tokens})")
+    for flag, v, low in at_least:
+        if v < low:
+            raise JllmError(f"{flag} must be at least {low} (got {v})")
+    if a.perplexity:
+        try:
+            Path(a.perplexity).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise JllmError(f"--perplexity {a.perplexity}: cannot read it as UTF-8 text "
+                            f"({getattr(e, 'strerror', None) or e.__class__.__name__})") from None
+    if a.llamacpp and not (Path(a.llamacpp) / "llama-bench").is_file():
+        raise JllmError(f"--llamacpp: {Path(a.llamacpp) / 'llama-bench'} not found (build it with "
+                        f"../shared/tools/build_llamacpp.sh)")
+    if a.json:
+        _writable_file(a.json, "--json")
+
+
+MULTITURN_FIRST_MAX = 3584        # jllm.cache.bench's turns run at -c 4096, with room for the reply
+
+
 def cmd_bench(a: argparse.Namespace) -> int:
+    _check_bench(a)
     if a.spec_corpus:
         from jllm.spec import bench as spec_bench
 

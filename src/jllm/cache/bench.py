@@ -44,7 +44,8 @@ def _turn(model: str, conv: str, message: str, cache_dir: str, extra: list[str],
            "-n", str(n_predict), "-c", "4096", "--cache-dir", cache_dir, *extra]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
-        raise JllmError(f"bench turn failed: {out.stderr.strip().splitlines()[-1:]}")
+        last = (out.stderr.strip().splitlines() or [f"exit status {out.returncode}"])[-1]
+        raise JllmError(f"bench turn failed: {last.removeprefix('jllm: ')}")
     return json.loads(out.stdout)
 
 
