@@ -248,6 +248,21 @@ def test_bad_bench_settings_are_refused_before_it_runs(home, args, words):
     assert_user_error(jllm(home, "bench", "-m", "tiny.gguf", *args), *words)
 
 
+def test_output_to_a_full_disk_and_a_closed_stdin(home):
+    """stdout on a full device: one line saying so, exit 1; chat with stdin closed: as at the end of input."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JLLM_") or k == "JLLM_KERNELS_DIR"}
+    env.update(JLLM_CONVERTED_DIR=str(home / "converted"), JLLM_CACHE_DIR=str(home / "kv-default"),
+               PYTHONPATH=str(REPO / "src"))
+    run = [sys.executable, "-m", "jllm"]
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run(run + ["generate", "-m", "tiny.gguf", "-p", "hi", "-n", "4"], cwd=home, env=env,
+                              stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stderr.strip() == "jllm: cannot write the output: No space left on device"
+    proc = subprocess.run(run + ["chat", "-m", "tiny.gguf", "-n", "4"], cwd=home, env=env, stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=120, preexec_fn=lambda: os.close(0))
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+
+
 def test_a_cache_dir_that_is_a_file(home):
     (home / "afile").write_text("")
     assert_user_error(jllm(home, "chat", "-m", "tiny.gguf", "-p", "hi", "--cache-dir", "afile", "--conversation",

@@ -6,6 +6,7 @@ Every user mistake ends as one line on stderr, `jllm: <what was wrong>`, and a n
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -301,6 +302,8 @@ def cmd_chat(a: argparse.Namespace) -> int:
         print(f"(resumed conversation {conv_id}: {resumed} earlier turn{'s' * (resumed != 1)})", file=sys.stderr)
     while True:
         try:
+            if sys.stdin is None:                 # started with stdin closed: as at the end of input
+                raise EOFError
             line = well_formed(input("> "))
         except EOFError:
             print(file=sys.stderr)
@@ -742,7 +745,15 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(getattr(args, name, None), str):
             setattr(args, name, well_formed(getattr(args, name)))
     try:
-        return args.func(args)
+        rc = args.func(args)
+        sys.stdout.flush()                         # inside the try: a full disk is reported here, once
+        return rc
+    except OSError as e:
+        if e.errno not in OUTPUT_ERRNOS:
+            raise
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # no second failure at exit
+        print(f"jllm: cannot write the output: {e.strerror}", file=sys.stderr)
+        return 1
     except JllmError as e:
         print(f"jllm: {e}", file=sys.stderr)
         _abandon_build(interrupted=False)
@@ -753,6 +764,9 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+
+
+OUTPUT_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)   # writing stdout or a file can fail so
 
 
 def _abandon_build(interrupted: bool) -> None:
