@@ -230,6 +230,12 @@ OK = {"model": "tiny", "messages": user("hi"), "max_tokens": 2}
     ({**OK, "n": 2}, 400, "n", None),
     ({**OK, "stop": 5}, 400, "stop", None),
     ({**OK, "prompt_cache_key": "../etc/passwd"}, 400, "prompt_cache_key", None),
+    ({**OK, "seed": 1e30}, 400, "seed", None),
+    ({**OK, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, None, None),
+    ({**OK, "functions": [{"name": "f"}]}, 400, None, None),
+    ({**OK, "response_format": {"type": "json_object"}}, 400, None, None),
+    ({**OK, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
+     "messages.0.content", None),
 ])
 def test_bad_requests_get_openai_error_json(srv, body, status, param, code):
     r = (srv.http.post(CHAT, content=body, headers={"Content-Type": "application/json"}) if isinstance(body, bytes)
@@ -240,6 +246,25 @@ def test_bad_requests_get_openai_error_json(srv, body, status, param, code):
     assert err["type"] == "invalid_request_error"
     assert (err["param"] or "").split(".")[0] == (param or "").split(".")[0] and err["code"] == code
     assert "Traceback" not in r.text
+
+
+def test_what_jllm_cannot_do_is_said_plainly(srv):
+    """Tools, a JSON response format, image parts and batches of prompts: a 400 whose message names the thing,
+    not the request model's internals; tools the request forbids using (tool_choice "none") are no obstacle."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    for path, body, words in (
+            (CHAT, {**OK, "tools": tools}, "tools (function calling) are not supported"),
+            (CHAT, {**OK, "response_format": {"type": "json_schema"}}, "response_format 'json_schema' is not"),
+            (CHAT, {**OK, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+             "messages.0.content: content parts of type 'image_url' are not supported (text only)"),
+            ("/v1/completions", {"prompt": ["a", "b"], "max_tokens": 2}, "prompt: one prompt per request"),
+            (CHAT, {**OK, "seed": 1e30}, "seed: the seed must be a whole number"),
+            (CHAT, {**OK, "messages": [{"role": "user", "content": 5}]}, "messages.0.content: ")):
+        r = srv.http.post(path, json=body)
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith(words), r.text
+    for body in ({**OK, "tools": tools, "tool_choice": "none"}, {**OK, "response_format": {"type": "text"}},
+                 {**OK, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}):
+        assert srv.http.post(CHAT, json=body).status_code == 200
 
 
 def test_text_that_is_not_unicode_is_answered(srv):

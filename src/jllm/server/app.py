@@ -200,7 +200,9 @@ async def _parse(request: Request, model: type[BaseModel]):
         return model.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
-        param = ".".join(str(x) for x in err["loc"]) or None
+        # a union's member names (str, list[int], function-after[...]) are pydantic's, not the request's
+        param = ".".join(str(x) for x in err["loc"] if not (isinstance(x, str) and (
+            x in ("str", "int", "float", "bool", "list", "dict", "none") or "[" in x))) or None
         msg = err["msg"].removeprefix("Value error, ")
         raise APIError(400, f"{param}: {msg}" if param else msg, param=param) from None
 

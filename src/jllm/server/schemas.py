@@ -2,14 +2,14 @@
 
 Only what jllm can honour is accepted: unknown fields are ignored (clients send many), but a field that would
 change the answer and that jllm cannot do (n > 1, logprobs, non-zero presence/frequency penalties, image
-parts) is a 400, never silently dropped. Ranges follow OpenAI's API reference.
+parts, tools, a JSON response format) is a 400, never silently dropped. Ranges follow OpenAI's API reference.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from jllm.sampling import SamplingParams
 
@@ -50,6 +50,13 @@ class _Completion(_Body):
                               max_tokens=self.max_completion_tokens or self.max_tokens or default_max_tokens,
                               stop=tuple(s for s in stop if s))
 
+    @field_validator("seed", mode="before")
+    @classmethod
+    def _whole_seed(cls, v):
+        if isinstance(v, float) and not (v.is_integer() and 0 <= v < 2**64):
+            raise ValueError("the seed must be a whole number from 0 to 2^64 - 1")
+        return v
+
     @field_validator("n")
     @classmethod
     def _one_choice(cls, v):
@@ -78,6 +85,15 @@ class Message(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, v):
+        for part in v if isinstance(v, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(f"content parts of type {kind!r} are not supported (text only)")
+        return v
+
     def for_template(self) -> dict:
         """{"role", "content": str}: text parts joined; OpenAI's "developer" is the templates' "system"."""
         content = self.content
@@ -89,6 +105,23 @@ class Message(_Body):
 class ChatRequest(_Completion):
     messages: list[Message] = Field(min_length=1)
     logprobs: bool | None = None
+    tools: list | None = None                    # function calling: not supported (unless never used)
+    tool_choice: str | dict | None = None
+    functions: list | None = None                # its older form
+    function_call: str | dict | None = None
+    response_format: dict | None = None          # {"type": "text"} only: jllm does not constrain its output
+
+    @model_validator(mode="after")
+    def _no_tools(self):
+        if self.tools and self.tool_choice != "none":
+            raise ValueError("tools (function calling) are not supported")
+        if self.functions and self.function_call != "none":
+            raise ValueError("functions (function calling) are not supported")
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise ValueError(f"response_format {kind!r} is not supported (jllm does not constrain its output; "
+                             f"only 'text')")
+        return self
 
     @field_validator("logprobs")
     @classmethod
@@ -104,6 +137,13 @@ class CompletionRequest(_Completion):
     echo: bool = False
     suffix: str | None = None                    # insertion: not supported
     best_of: int | None = None                   # several candidates, the best returned: not supported
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, v):
+        if isinstance(v, list) and any(isinstance(x, (str, list)) for x in v):
+            raise ValueError("one prompt per request: a string or a list of token ids, not a batch of prompts")
+        return v
 
     @field_validator("prompt")
     @classmethod

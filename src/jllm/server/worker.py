@@ -113,7 +113,7 @@ class Worker:
         ids = job.make_ids()
         if len(ids) >= eng.ctx_size:
             raise ContextTooLong(f"the prompt is {len(ids)} tokens, the model's context is {eng.ctx_size} "
-                                 "(leave room for the reply): shorten the messages")
+                                 "(leave room for the reply): shorten the prompt")
         timings = Timings()
         stream = eng.stream(ids, job.params, timings, conv_id=job.conv_id)
         n = 0
