@@ -12,6 +12,7 @@ import os
 import sys
 import time
 
+from jllm import console
 from jllm.errors import JllmError
 from jllm.spec import DRAFT_MAX, DRAFT_MIN, LEAF_P, P_MIN
 from jllm.tokenizer.unicode import well_formed
@@ -219,9 +220,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
     timings = Timings(load_ms=eng.load_ms)
     for piece in eng.stream(ids, params, timings):
-        sys.stdout.write(piece.text)
-        sys.stdout.flush()
-    sys.stdout.write("\n")
+        console.answer(piece.text)
+    console.end_answer()
     t = timings.as_dict()
     print(f"[prompt {t['prompt_tokens_evaluated']} tok, {t['prompt_tok_s']} tok/s | "
           f"decode {t['decode_tokens']} tok, {t['decode_tok_s']} tok/s]", file=sys.stderr)
@@ -263,8 +263,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
             run = eng.stream(eng.chat_ids(messages), params, Timings(load_ms=eng.load_ms), conv_id=conv_id)
             for piece in run:
                 if echo:
-                    sys.stdout.write(piece.text)
-                    sys.stdout.flush()
+                    console.answer(piece.text)
                 parts.append(piece.text)
                 if piece.token_id >= 0:
                     ids.append(piece.token_id)
@@ -287,7 +286,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
                 out["spec"] = run.spec_stats.as_dict()
             print(json.dumps(out, ensure_ascii=False))
         else:
-            print()
+            console.end_answer()
             _after_reply(a, eng, run, ids, verbose=True)
         return 0
 
@@ -329,14 +328,13 @@ def cmd_chat(a: argparse.Namespace) -> int:
         try:
             _, ids, run = turn(line, echo=True)
         except KeyboardInterrupt:
-            sys.stdout.write("\n")
+            console.end_answer()
             print("[stopped]", file=sys.stderr)
             continue
         except JllmError as e:          # e.g. the conversation outgrew the context: keep the session
             print(f"\njllm: {e} — /reset starts over", file=sys.stderr)
             continue
-        sys.stdout.write("\n")
-        sys.stdout.flush()
+        console.end_answer()
         _after_reply(a, eng, run, ids, verbose=a.verbose)
     eng.wait_saves()
     return 0

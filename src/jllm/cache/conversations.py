@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import tempfile
 from pathlib import Path
 from typing import Callable
 
+from jllm import console
 from jllm.cache.store import (LockError, check_conversation_id, dir_lock, remove_file_or_empty_dir,
                               remove_temp_files, valid_name, warn_once)
 from jllm.errors import JllmError
@@ -36,15 +36,11 @@ def default_cache_dir() -> Path:
     return paths.cache_dir("kv-cache", "JLLM_CACHE_DIR")
 
 
-def _print_to_stderr(message: str) -> None:
-    print(f"jllm: warning: {message}", file=sys.stderr)
-
-
 def _path(cache_dir: Path, conv_id: str) -> Path:
     return Path(cache_dir) / "conversations" / f"{check_conversation_id(conv_id)}.json"
 
 
-def load_messages(cache_dir: Path, conv_id: str, warn: Callable[[str], None] = _print_to_stderr) -> list[dict]:
+def load_messages(cache_dir: Path, conv_id: str, warn: Callable[[str], None] = console.warn) -> list[dict]:
     path = _path(cache_dir, conv_id)
     if path.is_symlink():
         raise JllmError(f"conversation file {path} is a symbolic link; refusing to read it (remove it with "
@@ -96,7 +92,7 @@ class History:
     """One conversation's messages: loaded once, then saved after each turn, merged with turns that other
     processes saved meanwhile. `messages` is the list to append to; save() updates it in place."""
 
-    def __init__(self, cache_dir: Path, conv_id: str, warn: Callable[[str], None] = _print_to_stderr):
+    def __init__(self, cache_dir: Path, conv_id: str, warn: Callable[[str], None] = console.warn):
         self.cache_dir, self.conv_id, self.warn = Path(cache_dir), conv_id, warn
         self.messages = load_messages(cache_dir, conv_id, warn)
         self._stored = list(self.messages)          # what the file held when read or last written here

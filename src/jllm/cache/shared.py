@@ -63,7 +63,8 @@ from urllib.parse import urlsplit
 import numpy as np
 import torch
 
-from jllm.cache.store import (_DTYPES, BadEntry, KVState, _print_to_stderr, anon_name, check_conversation_id,
+from jllm import console
+from jllm.cache.store import (_DTYPES, BadEntry, KVState, anon_name, check_conversation_id,
                               entry_head, entry_parts, read_head, valid_name)
 from jllm.errors import JllmError
 
@@ -204,7 +205,7 @@ class RedisTier:
     Redis is unreachable."""
 
     def __init__(self, url: str, max_bytes: int = 4 << 30, target_fingerprint: str = "",
-                 draft_fingerprint: str | None = None, warn: Callable[[str], None] = _print_to_stderr,
+                 draft_fingerprint: str | None = None, warn: Callable[[str], None] = console.warn,
                  prefix: str = DEFAULT_PREFIX, retry_s: float = 5.0, chunk_bytes: int = 4 << 20,
                  block: int = 256, timeout_s: float = 5.0):
         try:

@@ -55,7 +55,6 @@ import os
 import re
 import secrets
 import stat
-import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import closing, contextmanager, nullcontext
@@ -66,6 +65,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
+from jllm import console
 from jllm.errors import JllmError
 
 FORMAT_VERSION = 1
@@ -127,10 +127,6 @@ def model_fingerprint(gguf_file, precision: str) -> str:
         h.update(raw[:4096])
         h.update(raw[-4096:])
     return h.hexdigest()[:32]
-
-
-def _print_to_stderr(message: str) -> None:
-    print(f"jllm: warning: {message}", file=sys.stderr)
 
 
 class LockError(JllmError):
@@ -372,7 +368,7 @@ class KVStore:
 
     def __init__(self, directory: str | Path, max_bytes: int = 1 << 30, max_entries: int = 256,
                  target_fingerprint: str = "", draft_fingerprint: str | None = None,
-                 warn: Callable[[str], None] = _print_to_stderr):
+                 warn: Callable[[str], None] = console.warn):
         if max_bytes <= 0 or max_entries <= 0:
             raise JllmError(f"KV cache cap must be positive (got {max_bytes} bytes, {max_entries} entries)")
         self.dir = Path(directory)
