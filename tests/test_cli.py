@@ -267,6 +267,10 @@ def test_a_cache_dir_that_is_a_file(home):
     (home / "afile").write_text("")
     assert_user_error(jllm(home, "chat", "-m", "tiny.gguf", "-p", "hi", "--cache-dir", "afile", "--conversation",
                            "c1"), "afile is not a directory")
+    assert_user_error(jllm(home, "chat", "-m", "tiny.gguf", "-p", "hi", "--cache-dir", "afile/sub"),
+                      "afile/sub cannot be made", "afile is a file, not a directory")
+    (home / "dir").mkdir(exist_ok=True)
+    assert_user_error(jllm(home, "generate", "-m", "dir", "-p", "hi"), "dir is a directory")
 
 
 def test_plan_refuses_a_context_size_below_one(home):

@@ -73,6 +73,11 @@ def test_a_one_token_prompt_drafts_from_the_second_token_on(files):
     assert a.token_ids == b.token_ids and len(a.token_ids) == 24
 
 
+def test_a_head_given_as_the_model_says_where_it_goes(files):
+    with pytest.raises(JllmError, match=r"is an EAGLE-3 draft head, not a model: give it with -md"):
+        engine(files["head"], mode="none")
+
+
 def test_catch_up_pairs_states_with_the_next_token(files):
     eng = engine(files["target"], files["head"])
     eng.generate(PROMPT, SamplingParams(max_tokens=20))

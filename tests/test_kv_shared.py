@@ -218,6 +218,11 @@ def test_password_and_urls(tmp_path):
     RedisTier("rediss://:pw@127.0.0.1:1/0")         # TLS URL accepted (connects lazily)
     with pytest.raises(JllmError, match="bad KV store URL"):
         RedisTier("http://127.0.0.1:6379")
+    with pytest.raises(JllmError, match="^bad KV store URL notaurl: use"):     # named as given, not '://notaurl'
+        RedisTier("notaurl")
+    with pytest.raises(JllmError) as e:
+        RedisTier("me:s3cret@host")
+    assert "s3cret" not in str(e.value)
     with pytest.raises(JllmError, match="invalid conversation id"):
         RedisTier("redis://127.0.0.1:1/0").lookup([1], "../x")
 

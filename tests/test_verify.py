@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from jllm.spec.verify import draw, recovery_probs, verify_greedy, verify_sampled, verify_sampled_batch
+from jllm.spec.verify import (draw, recovery_probs, verify_greedy, verify_sampled, verify_sampled_batch,
+                              verify_sampled_lazy)
 
 V, N = 6, 200_000
 # chi-square critical values at alpha = 0.001, by degrees of freedom
@@ -167,6 +168,39 @@ def test_draw_never_picks_zero_weights_and_handles_unnormalised_rows():
     got = torch.stack([draw(w, gen) for _ in range(2000)])                 # [2000, 2]
     assert set(got[:, 0].tolist()) == {1, 3} and set(got[:, 1].tolist()) == {3}
     assert abs((got[:, 0] == 1).double().mean().item() - 0.75) < 0.05
+
+
+def test_lazy_walk_is_the_batch_rule_and_makes_only_the_rows_it_reaches():
+    """verify_block's sampled path (rows made as the walk reaches them, q narrower than the vocabulary as the
+    head's is) against verify_sampled_batch on the full padded rows: the same (n, token) for the same seed, in
+    every case; and no row after the first rejection is made."""
+    g = torch.Generator().manual_seed(5)
+    W, narrow = 64, 40                                   # vocabulary, the draft's (ids >= narrow have q = 0)
+    for case in range(300):
+        k = case % 5
+        sharp = 1.0 + 3.0 * torch.rand((), generator=g).item()
+        p = torch.softmax(torch.randn(k + 1, W, generator=g) * sharp, -1)
+        if case % 7 == 0:
+            p[:, :narrow // 2] = 0.0                      # target mass where the draft has none, and no mass where it has
+            p = p / p.sum(-1, keepdim=True)
+        near = torch.log(p[:k, :narrow] + 1e-6) + 0.5 * torch.randn(k, narrow, generator=g)
+        q = None if case % 3 == 0 else torch.softmax(near, -1)      # a draft near the target: long walks too
+        if q is None:
+            draft = [int(p[i].argmax()) if case % 2 else int(torch.randint(W, (), generator=g)) for i in range(k)]
+        else:
+            draft = [int(torch.multinomial(q[i], 1, generator=g)) for i in range(k)]
+        made = []
+
+        def row(i):
+            made.append(i)
+            return p[i]
+
+        seed = 1000 + case
+        lazy = verify_sampled_lazy(draft, q, row, torch.Generator().manual_seed(seed))
+        q_full = None if q is None else torch.nn.functional.pad(q, (0, W - narrow))
+        assert lazy == verify_sampled(draft, q_full, p, torch.Generator().manual_seed(seed)), case
+        n = lazy[0]
+        assert made == list(range(n + 1)), (case, made, n)
 
 
 def test_shape_errors():

@@ -192,6 +192,8 @@ def resolve(name: str, progress: bool = True) -> Path:
     if spec is not None:
         local = models_dir() / spec.file_name
         return local if _is_verified(spec, local) else pull(spec, progress=progress)
+    if path.is_dir():
+        raise JllmError(f"{path} is a directory: give a .gguf file in it or one of the aliases {_alias_list()}")
     if name.endswith(".gguf") or os.sep in name:
         raise JllmError(f"model file not found: {path} (give an existing .gguf file or one of the aliases "
                         f"{_alias_list()})")

@@ -175,6 +175,10 @@ def _cache_dir(a: argparse.Namespace):
     d = Path(a.cache_dir) if getattr(a, "cache_dir", None) else default_cache_dir()
     if d.exists() and not d.is_dir():
         raise JllmError(f"the KV cache directory {d} is not a directory (--cache-dir, or JLLM_CACHE_DIR)")
+    blocker = next((p for p in d.absolute().parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise JllmError(f"the KV cache directory {d} cannot be made: {blocker} is a file, not a directory "
+                        f"(--cache-dir, or JLLM_CACHE_DIR)")
     return d
 
 

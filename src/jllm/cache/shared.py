@@ -188,6 +188,8 @@ def check_url(url: str) -> str:
 def _where(url: str) -> str:
     """The URL without its password, for messages."""
     u = urlsplit(url)
+    if not u.scheme or not (u.netloc or u.path.startswith("/")):     # not a URL: as given, less any password
+        return url if "@" not in url else "…@" + url.rsplit("@", 1)[1]
     host = u.hostname or ""
     return f"{u.scheme}://{host}{f':{u.port}' if u.port else ''}{u.path}"
 

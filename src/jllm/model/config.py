@@ -66,6 +66,9 @@ class ModelConfig:
 
 def config_from_gguf(metadata: dict[str, Any], tensor_names: set[str], source: str = "model") -> ModelConfig:
     arch = metadata.get("general.architecture")
+    if arch == "eagle3":
+        raise JllmError(f"{source} is an EAGLE-3 draft head, not a model: give it with -md, beside its target "
+                        f"model with -m")
     if arch not in ARCHS:
         raise JllmError(f"{source}: architecture {arch!r} is not supported (supported: {', '.join(ARCHS)})")
 

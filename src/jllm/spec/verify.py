@@ -76,10 +76,8 @@ def verify_block(drafts: list[int], draft_probs: torch.Tensor | None, leaf: tupl
         if leaf is not None and n == leaf[0] and target[n] == leaf[1]:
             return Verdict(drafts[:n] + [leaf[1]], target[-1], leaf_taken=True, rows=[*range(1, n + 1), k + 1])
         return Verdict(drafts[:n], nxt)
-    p = torch.stack([probs(logits[i], params, history + drafts[:i]) for i in range(k + 1)])
-    if draft_probs is not None and draft_probs.shape[-1] < p.shape[-1]:
-        draft_probs = torch.nn.functional.pad(draft_probs, (0, p.shape[-1] - draft_probs.shape[-1]))
-    n, nxt = verify_sampled(drafts, draft_probs, p, gen)
+    n, nxt = verify_sampled_lazy(drafts, draft_probs,
+                                 lambda i: probs(logits[i], params, history + drafts[:i]), gen)
     return Verdict(drafts[:n], nxt)
 
 
@@ -131,6 +129,34 @@ def verify_sampled_batch(draft: torch.Tensor, draft_probs: torch.Tensor | None, 
     rejected = (n_dev < k)[:, None]
     weights = torch.where(rejected, recovery_probs(p_n, q_n, draft[rows, at]), p_n)       # [B, V]
     return n, draw(weights, gen)
+
+
+def verify_sampled_lazy(draft: list[int], draft_probs: torch.Tensor | None, row, gen: torch.Generator
+                        ) -> tuple[int, int]:
+    """verify_sampled with the target's rows made only as the walk reaches them: row(i) -> [V] the target's
+    sampling distribution at position i. A rejection at position n leaves rows n+1..k unmade (each costs a
+    pass over the vocabulary, more with top-p). draft_probs: [k, V'] with V' <= V (zeros beyond), or None.
+
+    The same uniforms in the same order and the same float32 comparisons as verify_sampled_batch, so the same
+    outcome for the same generator state (tests/test_verify.py holds the two together).
+    """
+    k = len(draft)
+    if k == 0:
+        return 0, int(draw(row(0)[None], gen)[0])
+    u = torch.rand(1, k, generator=gen)[0]
+    for n in range(k):
+        p = row(n)
+        p_d = p[draft[n]].float()
+        q_d = torch.ones(()) if draft_probs is None else draft_probs[n, draft[n]].float()
+        if not bool(u[n] * q_d < p_d):
+            q = None
+            if draft_probs is not None:            # q over the whole vocabulary: zeros beyond its V'
+                q = p.new_zeros(p.shape[-1])
+                q[:draft_probs.shape[-1]] = draft_probs[n]
+                q = q[None].float()
+            token = torch.tensor([draft[n]])
+            return n, int(draw(recovery_probs(p[None].float(), q, token), gen)[0])
+    return k, int(draw(row(k)[None].float(), gen)[0])
 
 
 def verify_sampled(draft: list[int], draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
