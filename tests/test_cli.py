@@ -248,6 +248,24 @@ def test_bad_bench_settings_are_refused_before_it_runs(home, args, words):
     assert_user_error(jllm(home, "bench", "-m", "tiny.gguf", *args), *words)
 
 
+@pytest.mark.parametrize("args, words", [
+    (["chat", "-p", " "], ["the message (-p) is empty"]),
+    (["chat", "--json"], ["--json prints one turn's result: it needs -p"]),
+    (["generate", "-p", "hi", "-n", "-5"], ["-n/--n-predict must be -1"]),
+])
+def test_chat_and_generate_settings_that_make_no_sense(home, args, words):
+    assert_user_error(jllm(home, args[0], "-m", "tiny.gguf", *args[1:]), *words)
+
+
+def test_a_new_system_message_for_an_old_conversation_is_said_to_be_unused(home):
+    first = jllm(home, "chat", "-m", "tiny.gguf", "-p", "hi", "-n", "2", "--conversation", "sys1", "--system", "A")
+    assert first.returncode == 0 and "warning" not in first.stderr, first.stderr
+    again = jllm(home, "chat", "-m", "tiny.gguf", "-p", "hi", "-n", "2", "--conversation", "sys1", "--system", "A")
+    assert again.returncode == 0 and "warning" not in again.stderr, again.stderr
+    other = jllm(home, "chat", "-m", "tiny.gguf", "-p", "hi", "-n", "2", "--conversation", "sys1", "--system", "B")
+    assert other.returncode == 0 and "--system is not applied" in other.stderr, other.stderr
+
+
 def test_output_to_a_full_disk_and_a_closed_stdin(home):
     """stdout on a full device: one line saying so, exit 1; chat with stdin closed: as at the end of input."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("JLLM_") or k == "JLLM_KERNELS_DIR"}

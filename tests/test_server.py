@@ -231,6 +231,7 @@ OK = {"model": "tiny", "messages": user("hi"), "max_tokens": 2}
     ({**OK, "stop": 5}, 400, "stop", None),
     ({**OK, "prompt_cache_key": "../etc/passwd"}, 400, "prompt_cache_key", None),
     ({**OK, "seed": 1e30}, 400, "seed", None),
+    ({**OK, "stop": ["x"] * 1000}, 400, "stop", None),
     ({**OK, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, None, None),
     ({**OK, "functions": [{"name": "f"}]}, 400, None, None),
     ({**OK, "response_format": {"type": "json_object"}}, 400, None, None),

@@ -55,6 +55,9 @@ def _sampling_args(p: argparse.ArgumentParser, n_predict: int | None = 256) -> N
 def _params(a: argparse.Namespace):
     from jllm.sampling import SamplingParams
 
+    if a.n_predict is not None and a.n_predict < -1:
+        raise JllmError(f"-n/--n-predict must be -1 (until the answer ends or the context is full) or a count of "
+                        f"tokens (got {a.n_predict})")
     return SamplingParams(temperature=a.temp, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
                           repeat_penalty=a.repeat_penalty, seed=a.seed,
                           max_tokens=a.n_predict if a.n_predict is not None and a.n_predict >= 0
@@ -109,6 +112,10 @@ def _check_sizes(a: argparse.Namespace) -> None:
         raise JllmError(f"-c/--ctx-size must be at least 1 (got {a.ctx_size})")
     if a.threads is not None and a.threads < 1:
         raise JllmError(f"-t/--threads must be at least 1 (got {a.threads})")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if a.threads is not None and cores and a.threads > cores:
+        console.warn(f"-t {a.threads} is more threads than the {cores} cores this process may use: slower, "
+                     f"not faster")
 
 
 def _precision(a: argparse.Namespace) -> str:
@@ -244,6 +251,10 @@ def cmd_chat(a: argparse.Namespace) -> int:
     from jllm.cache.conversations import History
     from jllm.engine import Timings
 
+    if a.prompt is not None and not a.prompt.strip():
+        raise JllmError("the message (-p) is empty")
+    if a.json and a.prompt is None:
+        raise JllmError("--json prints one turn's result: it needs -p MESSAGE")
     params = _params(a)
     cache_dir = _cache_dir(a)
     conv_id = a.conversation          # a new chat gets its own id, so each turn replaces one cache entry
@@ -254,6 +265,9 @@ def cmd_chat(a: argparse.Namespace) -> int:
     resumed = sum(m["role"] == "user" for m in messages)
     if a.system and not messages:
         messages.append({"role": "system", "content": a.system})
+    elif a.system and a.system != next((m["content"] for m in messages if m["role"] == "system"), None):
+        console.warn(f"conversation {conv_id} goes on with the system message it began with; --system is "
+                     f"not applied (/reset, or a new --conversation, starts over)")
     eng = _engine(a, kv_cache=not a.no_kv_cache, default_head=True)
     if a.n_predict is None:                     # a base model rarely ends its turn: it would fill the context
         a.n_predict = 256 if eng.chat_template.is_builtin else -1
@@ -333,7 +347,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
             _, ids, run = turn(line, echo=True)
         except KeyboardInterrupt:
             console.end_answer()
-            print("[stopped]", file=sys.stderr)
+            print("[stopped: this question and its partial answer are not kept]", file=sys.stderr)
             continue
         except JllmError as e:          # e.g. the conversation outgrew the context: keep the session
             print(f"\njllm: {e} — /reset starts over", file=sys.stderr)

@@ -14,6 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from jllm.sampling import SamplingParams
 
 
+MAX_STOPS = 64          # each is looked for after every token: OpenAI allows 4, llama.cpp's clients send more
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -55,6 +58,13 @@ class _Completion(_Body):
     def _whole_seed(cls, v):
         if isinstance(v, float) and not (v.is_integer() and 0 <= v < 2**64):
             raise ValueError("the seed must be a whole number from 0 to 2^64 - 1")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _few_stops(cls, v):
+        if isinstance(v, list) and len(v) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop strings (got {len(v)})")
         return v
 
     @field_validator("n")
