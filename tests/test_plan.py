@@ -34,3 +34,16 @@ def test_draft_subset_shrinks_the_plan_and_limit_refuses(tmp_path):
         check_limit(rows, total_bytes(rows) - 1)
     with pytest.raises(JllmError, match=r"lower -c/--ctx-size\)$"):        # no draft to drop
         check_limit([full], total_bytes([full]) - 1)
+
+
+def test_a_draft_or_head_for_another_target_is_refused_as_the_engine_refuses_it(tmp_path):
+    from test_eagle3 import write_head
+
+    qwen = write_tiny_model(tmp_path / "q.gguf", "qwen2")
+    write_tiny_model(tmp_path / "l.gguf", "llama")
+    write_head(tmp_path / "h.gguf", qwen)
+    assert len(plan(str(tmp_path / "q.gguf"), str(tmp_path / "h.gguf"), ctx=64, precision="int8")) == 2
+    with pytest.raises(JllmError, match="was not made for l.gguf"):
+        plan(str(tmp_path / "l.gguf"), str(tmp_path / "h.gguf"), ctx=64, precision="int8")
+    with pytest.raises(JllmError, match="cannot draft for"):
+        plan(str(tmp_path / "q.gguf"), str(tmp_path / "l.gguf"), ctx=64, precision="int8")

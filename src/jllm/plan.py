@@ -145,9 +145,17 @@ def plan(target: str | GGUFFile, draft: str | GGUFFile | None, ctx: int, precisi
     """Budgets of the target and the draft (paths, or files already read)."""
 
     read = lambda f: f if isinstance(f, GGUFFile) else read_gguf(f)      # noqa: E731
-    rows = [model_budget(read(target), precision, ctx)]
+    t = read(target)
+    rows = [model_budget(t, precision, ctx)]
     if draft:
         g = read(draft)
+        if is_head(g):                       # a draft that cannot run with this target is refused as it is there
+            fmt.check_target(read_head_config(g), g, config_from_gguf(t.metadata, set(t.tensors), str(t.path)), t,
+                             fmt.read_d2t(g))
+        else:
+            from jllm.spec.compat import check_compatible
+
+            check_compatible(t.metadata, g.metadata, t.path.name, g.path.name)
         rows.append(head_budget(g, ctx) if is_head(g) else
                     model_budget(g, draft_precision_for(precision, draft_precision), ctx, output_rows=draft_vocab))
     return rows
