@@ -183,6 +183,7 @@ def test_a_broken_lock_is_one_line_and_the_turn_goes_on_uncached(capsys, model, 
     assert (kv / "c.kv").exists() and user_turns(kv) == ["first", "second"]    # the history is still saved
     rm = cache(capsys, kv, "rm", "c")
     assert rm.rc == 1 and len(rm.err) == 1 and rm.err[0].startswith("jllm: the KV cache lock"), rm.err
+    assert rm.err[0].endswith(f"{what}; `cache rm` cannot run until it is removed"), rm.err
     (kv / ".lock").rmdir() if lock == "directory" else (kv / ".lock").unlink()
     run = chat(capsys, model, kv, "third")                        # fixed: the corrupt entry goes, caching is back
     assert run.rc == 0 and len(run.warnings) == 1 and "(truncated or overwritten); removed it" in run.warnings[0]

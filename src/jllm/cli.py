@@ -398,8 +398,7 @@ def _print_entries(rows: list[dict]) -> None:
 
 
 def cmd_cache(a: argparse.Namespace) -> int:
-    from jllm.cache.conversations import clear_temps, list_conversations, remove_messages
-    from jllm.cache.store import KVStore, check_conversation_id
+    from jllm.cache.store import KVStore, LockError, check_conversation_id
 
     if a.action is None:
         raise JllmError(f"usage: {CACHE_USAGE}")
@@ -420,7 +419,15 @@ def cmd_cache(a: argparse.Namespace) -> int:
             raise JllmError(f"no such conversation: {', '.join(a.ids)} (no KV cache at {cache_dir})")
         print(f"no KV cache at {cache_dir} (nothing stored yet)")
         return 0
-    store = KVStore(cache_dir, max_bytes=a.cache_size)
+    try:
+        return _cache_action(a, cache_dir, KVStore(cache_dir, max_bytes=a.cache_size), shared)
+    except LockError as e:                      # not "nothing is cached": this command caches nothing
+        raise JllmError(f"{e.problem}; `cache {a.action}` cannot run until it is {e.fix}") from None
+
+
+def _cache_action(a: argparse.Namespace, cache_dir, store, shared) -> int:
+    from jllm.cache.conversations import clear_temps, list_conversations, remove_messages
+
     if a.action == "ls":
         rows = store.entries()
         convs = set(list_conversations(cache_dir))

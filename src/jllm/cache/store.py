@@ -130,7 +130,12 @@ def model_fingerprint(gguf_file, precision: str) -> str:
 
 
 class LockError(JllmError):
-    """The cache directory's `.lock` cannot be opened or locked; the message says which and why."""
+    """The cache directory's `.lock` cannot be opened or locked; the message says which and why (`problem`),
+    then what it means for caching."""
+
+    def __init__(self, problem: str, fix: str = "fixed"):
+        super().__init__(f"{problem}; nothing is cached until it is {fix}")
+        self.problem, self.fix = problem, fix
 
 
 _said: set[str] = set()             # lock problems already reported by this process
@@ -174,17 +179,15 @@ def dir_lock(directory: Path) -> Iterator[None]:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
     except OSError as e:
         what = {errno.EISDIR: "is a directory", errno.ELOOP: "is a symbolic link"}.get(e.errno)
-        raise LockError(f"the KV cache lock {path} {what or f'cannot be opened ({e.strerror})'}; "
-                        f"nothing is cached until it is {'removed' if what else 'fixed'}") from None
+        raise LockError(f"the KV cache lock {path} {what or f'cannot be opened ({e.strerror})'}",
+                        "removed" if what else "fixed") from None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise LockError(f"the KV cache lock {path} is not a regular file; nothing is cached until it is "
-                            f"removed")
+            raise LockError(f"the KV cache lock {path} is not a regular file", "removed")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
         except OSError as e:
-            raise LockError(f"the KV cache lock {path} cannot be locked ({e.strerror}); nothing is cached") \
-                from None
+            raise LockError(f"the KV cache lock {path} cannot be locked ({e.strerror})") from None
         yield
     finally:
         os.close(fd)
