@@ -198,6 +198,7 @@ def test_an_entry_of_another_precision_is_reported_once_and_replaced(capsys, mod
     assert chat(capsys, model, kv, "first", "--precision", "exact").rc == 0
     run = chat(capsys, model, kv, "second", "--precision", "int8")
     assert run.rc == 0 and len(run.warnings) == 1 and "c.kv was written for other models" in run.warnings[0]
+    assert ".gguf (exact@cpu/kv-" in run.warnings[0], run.warnings[0]        # named by file, not by hash
     assert run.reply["timings"]["cached_tokens"] == 0
     run = chat(capsys, model, kv, "third", "--precision", "int8")
     assert run.warnings == [] and run.reply["timings"]["cached_tokens"] > 0

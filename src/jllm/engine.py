@@ -173,12 +173,15 @@ class Engine:
                 draft_fp = model_fingerprint(self.head.gguf, f"eagle3/{self.head.precision}@{self.device.type}"
                                                              f"/kv-{dtype_name(self.head.cache.k.dtype)}")
             target_fp = model_fingerprint(self.gguf, tag)
+            drafter = self.draft.model.gguf if self.draft is not None else (
+                self.head.gguf if self.head is not None else None)
+            models = f"{self.gguf.path.name} ({tag})" + (f" + {drafter.path.name}" if drafter is not None else "")
             self.kv_store = KVStore(kv_store_dir, max_bytes=kv_store_bytes, target_fingerprint=target_fp,
-                                    draft_fingerprint=draft_fp)
+                                    draft_fingerprint=draft_fp, models=models)
             if kv_store_url is not None:
                 self.kv_store = TieredStore(self.kv_store, RedisTier(kv_store_url, max_bytes=kv_store_shared_bytes,
                                                                      target_fingerprint=target_fp,
-                                                                     draft_fingerprint=draft_fp))
+                                                                     draft_fingerprint=draft_fp, models=models))
         self._saving: threading.Thread | None = None
         self.load_ms = (time.perf_counter() - t0) * 1000
 

@@ -64,7 +64,7 @@ import numpy as np
 import torch
 
 from jllm import console
-from jllm.cache.store import (_DTYPES, BadEntry, KVState, anon_name, check_conversation_id,
+from jllm.cache.store import (_DTYPES, BadEntry, KVState, anon_name, made_by, check_conversation_id,
                               entry_head, entry_parts, read_head, valid_name)
 from jllm.errors import JllmError
 
@@ -209,7 +209,7 @@ class RedisTier:
     def __init__(self, url: str, max_bytes: int = 4 << 30, target_fingerprint: str = "",
                  draft_fingerprint: str | None = None, warn: Callable[[str], None] = console.warn,
                  prefix: str = DEFAULT_PREFIX, retry_s: float = 5.0, chunk_bytes: int = 4 << 20,
-                 block: int = 256, timeout_s: float = 5.0):
+                 block: int = 256, timeout_s: float = 5.0, models: str = ""):
         try:
             import redis
             from redis.backoff import NoBackoff
@@ -234,6 +234,7 @@ class RedisTier:
         self.max_bytes, self.prefix, self.retry_s = max_bytes, prefix, retry_s
         self.chunk_bytes, self.block = chunk_bytes, block
         self.target_fingerprint, self.draft_fingerprint = target_fingerprint, draft_fingerprint
+        self.models = models
         self.warn = warn
         self._seed = hashlib.sha256(f"jllm-kv-prefix {target_fingerprint} {draft_fingerprint}".encode()).digest()
         self._reserve, self._commit = self.r.register_script(_RESERVE), self.r.register_script(_COMMIT)
@@ -369,8 +370,8 @@ class RedisTier:
         if not self._ours(h):
             if own:
                 self._report((name, gen), f"shared KV entry {name} in {self.where} was written for other models "
-                                          f"(target {h.get('target')}, draft {h.get('draft')}); the prompt is "
-                                          f"evaluated from scratch and this conversation's state replaces it")
+                                          f"({made_by(h)}); the prompt is evaluated from scratch and this "
+                                          f"conversation's state replaces it")
             return 0
         have = have[:len(want)]
         diff = np.flatnonzero(have != want[:len(have)])
@@ -449,7 +450,7 @@ class RedisTier:
         one step; evicts least recently used entries of this prefix to stay under max_bytes. Returns the
         name, or None (one warning) when it is larger than the whole tier, or Redis is unreachable."""
         name = check_conversation_id(conv_id) if conv_id is not None else anon_name(state.tokens)
-        header, tok, views = entry_parts(name, state, self.target_fingerprint, self.draft_fingerprint)
+        header, tok, views = entry_parts(name, state, self.target_fingerprint, self.draft_fingerprint, self.models)
         if time.monotonic() < self._down_until:
             return None                               # unreachable: no need to hash the payload
         digest = hashlib.sha256()

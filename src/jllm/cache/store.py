@@ -12,6 +12,7 @@ tokens>.kv` for a prompt without one. All integers little-endian:
     48      H     header, UTF-8 JSON:
                     {"version": 1, "name": str, "created": unix time (s),
                      "target": fingerprint of the target model, "draft": the draft's or null,
+                     "models": their files, for messages only (e.g. "t.gguf (native@cpu/kv-bfloat16) + h.gguf"),
                      "n_tokens": n,
                      "tensors": [{"name": "target_k", "dtype": "float16", "shape": [L, Hkv, n, D]},
                                  "target_v", then "draft_k", "draft_v" if present],
@@ -286,7 +287,12 @@ def _read_exact(f, n: int, what: str) -> bytes:
 
 # --- the entry's bytes (shared with the Redis tier, shared.py) ----------------------------------------------
 
-def entry_parts(name: str, state: KVState, target_fp: str, draft_fp: str | None) \
+def made_by(header: dict) -> str:
+    """The models an entry was written for, for messages: their file names where the header has them."""
+    return header.get("models") or f"target {header.get('target')}, draft {header.get('draft')}"
+
+
+def entry_parts(name: str, state: KVState, target_fp: str, draft_fp: str | None, models: str = "") \
         -> tuple[dict, bytes, list[memoryview]]:
     """Check a state and lay it out as an entry named `name`: the header (its payload_sha256 a placeholder of
     the final length, set once the payload is hashed), the token ids' bytes and the payload's buffers (the
@@ -306,7 +312,7 @@ def entry_parts(name: str, state: KVState, target_fp: str, draft_fp: str | None)
                              f"[layers, kv_heads, {n}, head_dim] float32/float16/bfloat16")
     views = [_bytes_of(t) for t in tensors.values()]
     header = {"version": FORMAT_VERSION, "name": name, "created": int(time.time()),
-              "target": target_fp, "draft": draft_fp, "n_tokens": n,
+              "target": target_fp, "draft": draft_fp, "models": models, "n_tokens": n,
               "tensors": [{"name": k, "dtype": dtype_name(t.dtype), "shape": list(t.shape)}
                           for k, t in tensors.items()],
               "payload_bytes": sum(len(v) for v in views), "payload_sha256": "0" * 64}
@@ -371,7 +377,7 @@ class KVStore:
 
     def __init__(self, directory: str | Path, max_bytes: int = 1 << 30, max_entries: int = 256,
                  target_fingerprint: str = "", draft_fingerprint: str | None = None,
-                 warn: Callable[[str], None] = console.warn):
+                 warn: Callable[[str], None] = console.warn, models: str = ""):
         if max_bytes <= 0 or max_entries <= 0:
             raise JllmError(f"KV cache cap must be positive (got {max_bytes} bytes, {max_entries} entries)")
         self.dir = Path(directory)
@@ -381,6 +387,7 @@ class KVStore:
             raise JllmError(f"cannot create the KV cache directory {self.dir}: {e.strerror}") from None
         self.max_bytes, self.max_entries = max_bytes, max_entries
         self.target_fingerprint, self.draft_fingerprint = target_fingerprint, draft_fingerprint
+        self.models = models            # the files behind the fingerprints, named in the header for messages
         self.warn = warn
         self._warned: set[tuple[int, int]] = set()
         self._last_touch = 0
@@ -421,9 +428,9 @@ class KVStore:
             if own:
                 h = meta.header
                 self._report((meta.st.st_dev, meta.st.st_ino),
-                             f"KV cache file {self.dir / (name + '.kv')} was written for other models (target "
-                             f"{h.get('target')}, draft {h.get('draft')}); the prompt is evaluated from scratch "
-                             f"and this conversation's state replaces it")
+                             f"KV cache file {self.dir / (name + '.kv')} was written for other models "
+                             f"({made_by(h)}); the prompt is evaluated from scratch and this conversation's "
+                             f"state replaces it")
             return 0
         have = meta.tokens[:len(want)]
         diff = np.flatnonzero(have != want[:len(have)])
@@ -441,8 +448,7 @@ class KVStore:
                 meta = self._read_meta(f)
                 h = meta.header
                 if not self._ours(h):
-                    raise BadEntry("foreign", f"was written for other models (target {h.get('target')}, "
-                                          f"draft {h.get('draft')})")
+                    raise BadEntry("foreign", f"was written for other models ({made_by(h)})")
                 if n_tokens < 0:
                     raise ValueError(f"{name}: asked for {n_tokens} positions")
                 if n_tokens > h["n_tokens"]:
@@ -565,7 +571,7 @@ class KVStore:
         None names the entry after its tokens. Returns the name, or None (after one warning) if the state was
         too large to keep or could not be written (a full disk, a broken lock)."""
         name = check_conversation_id(conv_id) if conv_id is not None else anon_name(state.tokens)
-        header, tok, views = entry_parts(name, state, self.target_fingerprint, self.draft_fingerprint)
+        header, tok, views = entry_parts(name, state, self.target_fingerprint, self.draft_fingerprint, self.models)
         size = _PREFIX + len(json.dumps(header).encode()) + len(tok) + header["payload_bytes"]
         if size > self.max_bytes:
             self.warn(f"KV state '{name}' ({size / 2**20:.1f} MiB) is larger than the whole KV cache "
