@@ -276,6 +276,12 @@ def test_output_to_a_full_disk_and_a_closed_stdin(home):
         proc = subprocess.run(run + ["generate", "-m", "tiny.gguf", "-p", "hi", "-n", "4"], cwd=home, env=env,
                               stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
     assert proc.returncode == 1 and proc.stderr.strip() == "jllm: cannot write the output: No space left on device"
+    r, w = os.pipe()                                  # a reader that has gone: `jllm ... | head`
+    os.close(r)
+    proc = subprocess.run(run + ["inspect", "tiny.gguf"], cwd=home, env=env, stdout=w, stderr=subprocess.PIPE,
+                          text=True, timeout=120)
+    os.close(w)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
     proc = subprocess.run(run + ["chat", "-m", "tiny.gguf", "-n", "4"], cwd=home, env=env, stdin=subprocess.DEVNULL,
                           capture_output=True, text=True, timeout=120, preexec_fn=lambda: os.close(0))
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr

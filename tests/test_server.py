@@ -232,9 +232,9 @@ OK = {"model": "tiny", "messages": user("hi"), "max_tokens": 2}
     ({**OK, "prompt_cache_key": "../etc/passwd"}, 400, "prompt_cache_key", None),
     ({**OK, "seed": 1e30}, 400, "seed", None),
     ({**OK, "stop": ["x"] * 1000}, 400, "stop", None),
-    ({**OK, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, None, None),
-    ({**OK, "functions": [{"name": "f"}]}, 400, None, None),
-    ({**OK, "response_format": {"type": "json_object"}}, 400, None, None),
+    ({**OK, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", None),
+    ({**OK, "functions": [{"name": "f"}]}, 400, "functions", None),
+    ({**OK, "response_format": {"type": "json_object"}}, 400, "response_format", None),
     ({**OK, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
      "messages.0.content", None),
 ])
@@ -254,8 +254,10 @@ def test_what_jllm_cannot_do_is_said_plainly(srv):
     not the request model's internals; tools the request forbids using (tool_choice "none") are no obstacle."""
     tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
     for path, body, words in (
-            (CHAT, {**OK, "tools": tools}, "tools (function calling) are not supported"),
-            (CHAT, {**OK, "response_format": {"type": "json_schema"}}, "response_format 'json_schema' is not"),
+            (CHAT, {**OK, "tools": tools}, "tools: function calling is not supported"),
+            (CHAT, {**OK, "messages": [{"role": "user", "content": [{"text": "hi"}]}]}, "messages.0.content: a "
+             "content part needs a type"),
+            (CHAT, {**OK, "response_format": {"type": "json_schema"}}, "response_format: 'json_schema' is not supported"),
             (CHAT, {**OK, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
              "messages.0.content: content parts of type 'image_url' are not supported (text only)"),
             ("/v1/completions", {"prompt": ["a", "b"], "max_tokens": 2}, "prompt: one prompt per request"),
@@ -263,6 +265,9 @@ def test_what_jllm_cannot_do_is_said_plainly(srv):
             (CHAT, {**OK, "messages": [{"role": "user", "content": 5}]}, "messages.0.content: ")):
         r = srv.http.post(path, json=body)
         assert r.status_code == 400 and r.json()["error"]["message"].startswith(words), r.text
+    from jllm.server.schemas import ContentPart, Message
+
+    assert Message(role="user", content=[ContentPart(type="text", text="hi")]).for_template()["content"] == "hi"
     for body in ({**OK, "tools": tools, "tool_choice": "none"}, {**OK, "response_format": {"type": "text"}},
                  {**OK, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}):
         assert srv.http.post(CHAT, json=body).status_code == 200

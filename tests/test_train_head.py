@@ -381,8 +381,15 @@ def test_bad_arguments_fail_before_any_work(capsys, tmp_path):
         assert cli.main(["train-head", "-m", "no-such-model", *extra]) == 1
         err = capsys.readouterr().err.strip()
         assert want in err and "\n" not in err, (extra, err)
-    assert not list(tmp_path.glob("*.probe"))
-    for bad in (junk, tmp_path / "arr.npy"):
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["arr.npy", "x.gguf"]     # the probes left nothing
+    keep = tmp_path / "h.gguf.probe"                  # nor touched a file beside -o
+    keep.write_text("precious")
+    assert cli.main(["train-head", "-m", "no-such-model", "-o", out]) == 1
+    assert "unknown model" in capsys.readouterr().err and keep.read_text() == "precious"
+    (tmp_path / "empty.npz").write_bytes(b"")
+    np.savez(tmp_path / "whole.npz", meta=np.array("{}"), tokens=np.zeros(1000))
+    (tmp_path / "cut.npz").write_bytes((tmp_path / "whole.npz").read_bytes()[:300])
+    for bad in (junk, tmp_path / "arr.npy", tmp_path / "empty.npz", tmp_path / "cut.npz"):
         with pytest.raises(JllmError, match="not jllm training data"):
             data_mod.Conversations.load(bad)
 

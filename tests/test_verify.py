@@ -203,6 +203,22 @@ def test_lazy_walk_is_the_batch_rule_and_makes_only_the_rows_it_reaches():
         assert made == list(range(n + 1)), (case, made, n)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_lazy_walk_on_the_gpu_is_the_cpu_walk():
+    """The target's rows on the GPU (as --device cuda gives them), the draft's on the CPU or the GPU: the same
+    outcome as on the CPU, rejections included."""
+    g = torch.Generator().manual_seed(9)
+    for case in range(200):
+        k = 1 + case % 4
+        p = torch.softmax(torch.randn(k + 1, 64, generator=g) * 2, -1)
+        q = torch.softmax(torch.log(p[:k, :40] + 1e-6) + torch.randn(k, 40, generator=g), -1)
+        draft = [int(torch.multinomial(q[i], 1, generator=g)) for i in range(k)]
+        want = verify_sampled_lazy(draft, q, lambda i: p[i], torch.Generator().manual_seed(case))
+        for qd in (q, q.cuda()):
+            got = verify_sampled_lazy(draft, qd, lambda i: p[i].cuda(), torch.Generator().manual_seed(case))
+            assert got == want, case
+
+
 def test_shape_errors():
     with pytest.raises(ValueError):
         verify_sampled([1, 2], None, torch.full((2, V), 1 / V), torch.Generator())

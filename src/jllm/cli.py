@@ -6,6 +6,7 @@ Every user mistake ends as one line on stderr, `jllm: <what was wrong>`, and a n
 from __future__ import annotations
 
 import argparse
+import codecs
 import errno
 import json
 import os
@@ -265,9 +266,12 @@ def cmd_chat(a: argparse.Namespace) -> int:
     resumed = sum(m["role"] == "user" for m in messages)
     if a.system and not messages:
         messages.append({"role": "system", "content": a.system})
-    elif a.system and a.system != next((m["content"] for m in messages if m["role"] == "system"), None):
-        console.warn(f"conversation {conv_id} goes on with the system message it began with; --system is "
-                     f"not applied (/reset, or a new --conversation, starts over)")
+    elif a.system:
+        began = next((m["content"] for m in messages if m["role"] == "system"), None)
+        if a.system != began:
+            how = "without a system message, as it began" if began is None else "with the system message it began with"
+            console.warn(f"conversation {conv_id} goes on {how}; --system is not applied (/reset, or a new "
+                         f"--conversation, starts over)")
     eng = _engine(a, kv_cache=not a.no_kv_cache, default_head=True)
     if a.n_predict is None:                     # a base model rarely ends its turn: it would fill the context
         a.n_predict = 256 if eng.chat_template.is_builtin else -1
@@ -603,8 +607,9 @@ def _check_bench(a: argparse.Namespace) -> None:
         if v < low:
             raise JllmError(f"{flag} must be at least {low} (got {v})")
     if a.perplexity:
-        try:
-            Path(a.perplexity).read_text(encoding="utf-8")
+        try:                                       # its start is what is measured: that much must be text
+            with open(a.perplexity, "rb") as f:
+                codecs.getincrementaldecoder("utf-8")().decode(f.read(1 << 20), final=False)
         except (OSError, UnicodeDecodeError) as e:
             raise JllmError(f"--perplexity {a.perplexity}: cannot read it as UTF-8 text "
                             f"({getattr(e, 'strerror', None) or e.__class__.__name__})") from None
@@ -771,11 +776,17 @@ def main(argv: list[str] | None = None) -> int:
         rc = args.func(args)
         sys.stdout.flush()                         # inside the try: a full disk is reported here, once
         return rc
+    except BrokenPipeError:                        # `jllm ... | head`: the reader has what it wanted
+        return 0
     except OSError as e:
         if e.errno not in OUTPUT_ERRNOS:
             raise
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # no second failure at exit
-        print(f"jllm: cannot write the output: {e.strerror}", file=sys.stderr)
+        _abandon_build(interrupted=False)
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # no second failure at exit
+            print(f"jllm: cannot write {e.filename or 'the output'}: {e.strerror}", file=sys.stderr)
+        except OSError:                            # stderr on the same full disk: the exit status says it
+            pass
         return 1
     except JllmError as e:
         print(f"jllm: {e}", file=sys.stderr)
@@ -785,8 +796,6 @@ def main(argv: list[str] | None = None) -> int:
         print("\njllm: interrupted", file=sys.stderr)
         _abandon_build(interrupted=True)
         return 130
-    except BrokenPipeError:
-        return 0
 
 
 OUTPUT_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)   # writing stdout or a file can fail so

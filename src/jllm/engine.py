@@ -173,9 +173,11 @@ class Engine:
                 draft_fp = model_fingerprint(self.head.gguf, f"eagle3/{self.head.precision}@{self.device.type}"
                                                              f"/kv-{dtype_name(self.head.cache.k.dtype)}")
             target_fp = model_fingerprint(self.gguf, tag)
-            drafter = self.draft.model.gguf if self.draft is not None else (
-                self.head.gguf if self.head is not None else None)
-            models = f"{self.gguf.path.name} ({tag})" + (f" + {drafter.path.name}" if drafter is not None else "")
+            models = f"{self.gguf.path.name} ({tag})"
+            if self.draft is not None:
+                models += f" + {self.draft.model.gguf.path.name} ({self.draft_precision}@{self.device.type})"
+            elif self.head is not None:
+                models += f" + {self.head.gguf.path.name} ({self.head.precision}@{self.device.type})"
             self.kv_store = KVStore(kv_store_dir, max_bytes=kv_store_bytes, target_fingerprint=target_fp,
                                     draft_fingerprint=draft_fp, models=models)
             if kv_store_url is not None:

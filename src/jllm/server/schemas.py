@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from jllm.sampling import SamplingParams
 
@@ -99,7 +99,9 @@ class Message(_Body):
     @classmethod
     def _text_parts(cls, v):
         for part in v if isinstance(v, list) else ():
-            kind = part.get("type") if isinstance(part, dict) else None
+            kind = part.type if isinstance(part, ContentPart) else part.get("type") if isinstance(part, dict) else None
+            if kind is None:
+                raise ValueError("a content part needs a type (only 'text' parts are supported)")
             if kind != "text":
                 raise ValueError(f"content parts of type {kind!r} are not supported (text only)")
         return v
@@ -115,23 +117,29 @@ class Message(_Body):
 class ChatRequest(_Completion):
     messages: list[Message] = Field(min_length=1)
     logprobs: bool | None = None
-    tools: list | None = None                    # function calling: not supported (unless never used)
+    # function calling is not supported, unless the request forbids using it (the choice fields come first:
+    # the tools' validators read them)
     tool_choice: str | dict | None = None
-    functions: list | None = None                # its older form
+    tools: list | None = None
     function_call: str | dict | None = None
+    functions: list | None = None                # the older form
     response_format: dict | None = None          # {"type": "text"} only: jllm does not constrain its output
 
-    @model_validator(mode="after")
-    def _no_tools(self):
-        if self.tools and self.tool_choice != "none":
-            raise ValueError("tools (function calling) are not supported")
-        if self.functions and self.function_call != "none":
-            raise ValueError("functions (function calling) are not supported")
-        kind = (self.response_format or {}).get("type", "text")
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, v, info):
+        choice = info.data.get("tool_choice" if info.field_name == "tools" else "function_call")
+        if v and choice != "none":
+            raise ValueError("function calling is not supported (only with the choice \"none\")")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, v):
+        kind = (v or {}).get("type", "text")
         if kind != "text":
-            raise ValueError(f"response_format {kind!r} is not supported (jllm does not constrain its output; "
-                             f"only 'text')")
-        return self
+            raise ValueError(f"{kind!r} is not supported (jllm does not constrain its output; only 'text')")
+        return v
 
     @field_validator("logprobs")
     @classmethod

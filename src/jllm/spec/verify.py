@@ -151,10 +151,9 @@ def verify_sampled_lazy(draft: list[int], draft_probs: torch.Tensor | None, row,
         if not bool(u[n] * q_d < p_d):
             q = None
             if draft_probs is not None:            # q over the whole vocabulary: zeros beyond its V'
-                q = p.new_zeros(p.shape[-1])
-                q[:draft_probs.shape[-1]] = draft_probs[n]
-                q = q[None].float()
-            token = torch.tensor([draft[n]])
+                q = torch.zeros(1, p.shape[-1], dtype=torch.float32, device=p.device)
+                q[0, :draft_probs.shape[-1]] = draft_probs[n].to(p.device)
+            token = torch.tensor([draft[n]], device=p.device)
             return n, int(draw(recovery_probs(p[None].float(), q, token), gen)[0])
     return k, int(draw(row(k)[None].float(), gen)[0])
 

@@ -28,6 +28,7 @@ import random
 import site
 import sysconfig
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -178,8 +179,9 @@ class Conversations:
     def load(cls, path, fingerprint: str | None = None) -> "Conversations":
         try:
             z = np.load(path)                   # refuses pickled objects: a file from elsewhere runs nothing
-        except (OSError, ValueError) as e:
-            raise JllmError(f"{path}: not jllm training data ({str(e).splitlines()[0]})") from None
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:      # empty, truncated, not an array file
+            raise JllmError(f"{path}: not jllm training data ({(str(e) or type(e).__name__).splitlines()[0]})") \
+                from None
         if not isinstance(z, np.lib.npyio.NpzFile) or "meta" not in z.files:
             raise JllmError(f"{path}: not jllm training data (no meta in it)")
         with z:

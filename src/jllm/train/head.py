@@ -13,7 +13,9 @@ Prints each phase's time and the training curve (per step loss and top-1 agreeme
 from __future__ import annotations
 
 import argparse
+import errno
 import math
+import os
 import random
 import sys
 import time
@@ -367,13 +369,17 @@ def _checkpoint(out: str, head: Eagle3Head, model: str, qtype) -> None:
 
 
 def _writable(path: str, what: str) -> None:
-    """Fail now, not after an hour of work, where `path` cannot be written (a probe file beside it)."""
-    probe = Path(f"{path}.probe")
+    """Fail now, not after an hour of work, where `path` cannot be written: a new file of a fresh name made
+    beside it and removed (nothing there is touched)."""
+    import tempfile
+
+    p = Path(path)
     try:
-        if Path(path).is_dir():
-            raise IsADirectoryError(f"{path} is a directory")
-        probe.write_bytes(b"")
-        probe.unlink()
+        if p.is_dir():
+            raise IsADirectoryError(errno.EISDIR, "it is a directory")
+        fd, probe = tempfile.mkstemp(dir=p.parent if str(p.parent) else ".", prefix=f".{p.name}.")
+        os.close(fd)
+        os.unlink(probe)
     except OSError as e:
         raise JllmError(f"cannot write {what} {path}: {e.strerror or e}") from None
 
