@@ -84,7 +84,7 @@ fi
 if [ -z "$ARGS" ] || want tests; then
   for t in $MMA; do
     env $(kern $t) python3 -m pytest -q --tb=line tests/test_cuda.py tests/test_cuda_matvec.py \
-      tests/test_cuda_attention.py tests/test_cuda_fused.py tests/test_cuda_head.py tests/test_cuda_ptx.py tests/test_cuda_rounds.py tests/test_cuda_dp4a.py 2>&1 \
+      tests/test_cuda_attention.py tests/test_cuda_fused.py tests/test_cuda_head.py tests/test_cuda_ptx.py tests/test_cuda_rounds.py tests/test_cuda_dp4a.py tests/test_verify.py 2>&1 \
       | tee "$OUT/tests_mma${t/:/-}.log" | tail -25
   done
 fi
