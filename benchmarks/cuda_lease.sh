@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 23's measurements on a lent GPU in one call of the device tool (run from the repo root, `.whl` carried
-# with the gguf wheel, and for `serve` those of fastapi, uvicorn and httpx with their dependencies: pip download
-# fastapi uvicorn httpx --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl): the
+# with the gguf wheel, pytest-xdist's and execnet's (the tests' processes), and for `serve` those of fastapi,
+# uvicorn and httpx with their dependencies: pip download fastapi uvicorn httpx pytest-xdist --only-binary=:all:
+# --python-version 3.12 --platform manylinux2014_x86_64 -d .whl): the
 # CUDA tests, then the blocks precision on synthetic weights of the real shapes
 # (Q4_K_M's mix of Q4_K and Q6_K): the kernels, a step eager and from CUDA graphs, jllm bench for the 1.5B
 # target and a Qwen3-4B (the origin document's), each log under $OUT.
@@ -81,9 +82,13 @@ if { want llamacpp || want build; } && [ ! -x $LB ] && [ ! -f /tmp/lcpp/started 
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF && \
     cmake --build /tmp/lcpp/build -j 14 --target llama-bench" > /tmp/lcpp/build.log 2>&1 &
 fi
+# the tests compile their Triton kernels first (session 32: over 9.5 minutes of one H100 for one kernel choice
+# on a cold machine, one process), so they run in PAR processes (pytest-xdist, carried in .whl) where it is there
+PAR=${PAR:-8}
+XDIST=; python3 -c "import xdist" 2>/dev/null && [ "$PAR" -gt 1 ] && XDIST="-n $PAR"
 if [ -z "$ARGS" ] || want tests; then
   for t in $MMA; do
-    env $(kern $t) python3 -m pytest -q --tb=line tests/test_cuda.py tests/test_cuda_matvec.py \
+    env $(kern $t) python3 -m pytest -q --tb=line $XDIST tests/test_cuda.py tests/test_cuda_matvec.py \
       tests/test_cuda_attention.py tests/test_cuda_fused.py tests/test_cuda_head.py tests/test_cuda_ptx.py tests/test_cuda_rounds.py tests/test_cuda_dp4a.py tests/test_verify.py 2>&1 \
       | tee "$OUT/tests_mma${t/:/-}.log" | tail -25
   done
