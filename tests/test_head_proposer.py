@@ -73,6 +73,33 @@ def test_a_one_token_prompt_drafts_from_the_second_token_on(files):
     assert a.token_ids == b.token_ids and len(a.token_ids) == 24
 
 
+def test_a_sampled_generation_repeats_for_its_seed_whatever_the_clock(files, monkeypatch):
+    """The default policy (p_min, the cost stop, the gate) with the clock made erratic, as a loaded machine's
+    is: a sampled generation must still repeat for its seed, since how far a round drafts decides how many
+    random numbers it draws (the policy of a sampled generation runs on fixed costs); greedy stays plain's."""
+    import random
+    import time
+
+    def erratic(seed):
+        rng, now = random.Random(seed), [0.0]
+
+        def clock():
+            now[0] += rng.choice((1e-4, 3e-3, 4e-2))
+            return now[0]
+        return clock
+
+    eng = Engine(files["target"], ctx_size=256, threads=1, draft_path=files["head"], precision="native",
+                 spec=SpecConfig(mode="draft"))
+    s = SamplingParams(max_tokens=48, temperature=1.0, seed=11)
+    runs = []
+    for seed in range(4):
+        monkeypatch.setattr(time, "perf_counter", erratic(seed))
+        eng.reset()
+        runs.append(eng.generate(PROMPT, s).token_ids)
+    monkeypatch.undo()
+    assert all(r == runs[0] for r in runs) and len(runs[0]) == 48
+
+
 def test_a_head_given_as_the_model_says_where_it_goes(files):
     with pytest.raises(JllmError, match=r"is an EAGLE-3 draft head, not a model: give it with -md"):
         engine(files["head"], mode="none")

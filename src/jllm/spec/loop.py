@@ -25,7 +25,7 @@ import torch
 from jllm.sampling import SamplingParams, make_generator, sample
 from jllm.sequence import Sequence
 from jllm.spec.config import SpecConfig
-from jllm.spec.policy import DraftGate, ngram_keep, next_length
+from jllm.spec.policy import FIXED_DRAFT_STEP, FIXED_ROW, DraftGate, FixedCostGate, ngram_keep, next_length
 from jllm.spec.proposers import Limits, NgramProposer, Proposal
 from jllm.spec.stats import SpecStats
 from jllm.spec.verify import Verdict, verify_block, verify_tree
@@ -53,6 +53,8 @@ class SpeculativeDecoder:
 
     def tokens(self, logits: torch.Tensor, params: SamplingParams, budget: int) -> Iterator[int]:
         target, gen = self.target, make_generator(params.seed)
+        if not params.greedy:                       # the same seed, the same draws: no clock in the policy
+            self.gate = fixed_cost_gate(target, self.draft)
         history = list(target.ids)                  # the accepted context, `last` included once emitted
         last = sample(logits, params, history, gen)
         emitted = 0
@@ -139,6 +141,15 @@ class SpeculativeDecoder:
         if kind == "ngram":
             self.ngram_held[0] += n
             self.ngram_held[1] += n < drafted
+
+
+def fixed_cost_gate(target: Sequence, draft) -> FixedCostGate:
+    """A fresh gate over this machine kind's and this proposer's fixed costs (policy.FIXED_ROW, FIXED_DRAFT_STEP)."""
+    from jllm.kernels import isa
+
+    where = "cuda" if target.model.device.type == "cuda" else (isa() or "avx2")
+    kind = "head" if getattr(draft, "kind", "") == "head" else "draft"
+    return FixedCostGate(row=FIXED_ROW.get(where, 0.1), draft_step=FIXED_DRAFT_STEP[kind])
 
 
 def _until_end_of_turn(tokens: list[int], eot_ids) -> list[int]:

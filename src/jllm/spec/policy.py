@@ -17,7 +17,10 @@ The rules:
   where that position was uncertain and rows are cheap enough (`leaf_position`, `DraftGate.leaf_pays`);
 - DraftGate turns the draft model off while its rounds bring fewer tokens per unit of cost than plain
   decoding, with trials to turn it back on.
-Only the choice of what to propose depends on these; what is emitted never does, so exactness holds.
+Only the choice of what to propose depends on these; what is emitted never does, so exactness holds. A sampled
+generation is the exception to "measured": how many drafts a round makes decides how many random numbers it
+draws, so a gate fed by the clock would make the same seed give another text each run. It gets a FixedCostGate,
+fresh each generation: the same rules over fixed costs of this machine kind and proposer.
 """
 
 from __future__ import annotations
@@ -278,3 +281,23 @@ class RoundGate:
         if tokens <= 0 or seconds <= 0:
             return
         self.per_token[mode] = moving_average(self.per_token[mode], seconds / tokens, self.decay)
+
+
+# a sampled generation's costs, in target steps: a verify row by the CPU's kernels (BENCHMARKS.md: ~0.04-0.06 with
+# AVX-512, a round ~1.3 steps with AVX2; the GPU's float kernels ~0.1), and a drafting step by the proposer
+FIXED_ROW = {"avx512": 0.05, "avx2": 0.15, "cuda": 0.1}
+FIXED_DRAFT_STEP = {"head": 0.05, "draft": 0.25}
+
+
+class FixedCostGate(DraftGate):
+    """DraftGate's rules over fixed costs instead of measured times: `row` target steps a verify row, `draft_step`
+    a drafting step. Its decisions then follow only the rounds' outcomes, which a seed fixes, so a sampled
+    generation repeats for the same seed whatever the clock says (the clock's gate would draft a token more or
+    less when a step ran slow, and draw one more or one less random number)."""
+
+    def __init__(self, row: float, draft_step: float, **kw):
+        super().__init__(**kw)
+        self.fixed_row, self.fixed_draft_step = row, draft_step
+
+    def observe(self, verify_s: float, k: int, draft_step_s: float | None = None) -> None:
+        super().observe(1.0 + self.fixed_row * k, k, None if draft_step_s is None else self.fixed_draft_step)
