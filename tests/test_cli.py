@@ -416,7 +416,17 @@ def test_chat_answers_until_the_context_is_full_and_says_so(home):
     t = out["timings"]
     assert t["prompt_tokens_evaluated"] + t["cached_tokens"] + len(out["token_ids"]) == 64
     proc = jllm(home, "chat", "-m", "tiny.gguf", "-c", "64", stdin="hello\n")
-    assert proc.returncode == 0 and "[answer cut: the context of 64 tokens is full" in proc.stderr, proc.stderr
+    assert proc.returncode == 0 and "[answer cut: the context of 64 tokens is full; /reset starts over" in \
+        proc.stderr, proc.stderr
+    # one turn at a time (-p) of a kept conversation: the cut says how to go on there, and the turn after the
+    # full one names the conversation's length, not "the prompt", and how to leave it; its history is kept
+    for turn in ("hello", "again"):
+        proc = jllm(home, "chat", "-m", "tiny.gguf", "-c", "64", "-p", turn, "--conversation", "full")
+        if turn == "hello":
+            assert proc.returncode == 0 and "is full; a new --conversation starts afresh" in proc.stderr, proc.stderr
+    line = assert_user_error(proc, "the conversation with this message is", "more than the context of 64 holds",
+                             "`jllm cache rm full` forgets it")
+    assert "prompt" not in line
     proc = jllm(home, "chat", "-m", "tiny.gguf", "-n", "3", stdin="hello\n")
     assert proc.returncode == 0 and "[answer cut at the -n limit of 3 tokens]" in proc.stderr, proc.stderr
     assert "decode 3 tok" not in proc.stderr                    # statistics only with --verbose

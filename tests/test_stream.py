@@ -56,6 +56,8 @@ def test_skip_special_and_invalid_bytes():
     # a lone lead byte can never complete: it comes out as U+FFFD at the next character or at flush
     lead = tok.vocab.tokens.index("<0xF0>")
     assert stream(StreamDecoder(tok), [lead]) == ["", "\ufffd"]
+    cut = StreamDecoder(tok)                   # a token budget cut the character: its bytes are dropped
+    assert [cut.push(lead), cut.flush(cut=True), cut.push(tok.encode("a", add_bos=False)[0])] == ["", "", "a"]
     assert stream(StreamDecoder(tok), [lead, tok.encode("a", add_bos=False)[0]]) == ["", "\ufffda", ""]
 
 

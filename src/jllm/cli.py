@@ -282,7 +282,13 @@ def cmd_chat(a: argparse.Namespace) -> int:
         messages.append({"role": "user", "content": text})
         parts, ids = [], []
         try:
-            run = eng.stream(eng.chat_ids(messages), params, Timings(load_ms=eng.load_ms), conv_id=conv_id)
+            prompt = eng.chat_ids(messages)
+            if len(prompt) >= eng.ctx_size:       # the history fills the context, not this message alone
+                way_out = "" if a.prompt is None else (f"; `jllm cache rm {conv_id}` forgets it, or a new "
+                                                       "--conversation starts afresh")
+                raise JllmError(f"the conversation with this message is {len(prompt)} tokens, more than the context "
+                                f"of {eng.ctx_size} holds (raise -c/--ctx-size{way_out})")
+            run = eng.stream(prompt, params, Timings(load_ms=eng.load_ms), conv_id=conv_id)
             for piece in run:
                 if echo:
                     console.answer(piece.text)
@@ -377,8 +383,9 @@ def _after_reply(a: argparse.Namespace, eng, run, ids: list[int], verbose: bool)
         if a.n_predict >= 0 and len(ids) >= a.n_predict:
             lines.append(f"[answer cut at the -n limit of {a.n_predict} tokens]")
         else:
-            lines.append(f"[answer cut: the context of {eng.ctx_size} tokens is full; /reset starts over, "
-                         "a larger -c makes room]")
+            over = "/reset starts over" if a.prompt is None else "a new --conversation starts afresh"
+            lines.append(f"[answer cut: the context of {eng.ctx_size} tokens is full; {over}, a larger -c makes "
+                         f"room]")
     if verbose:
         line = _timings_line(run.timings.as_dict())
         st = run.spec_stats.as_dict() if run.spec_stats is not None else None

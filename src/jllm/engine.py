@@ -481,7 +481,7 @@ class Engine:
                 if stops.stopped:
                     run.finish_reason = "stop"
                     return
-            yield Piece(-1, stops.push(decoder.flush()) + stops.flush())
+            yield Piece(-1, stops.push(decoder.flush(cut=True)) + stops.flush())     # cut by the token budget
         finally:
             timings.decode_ms = (time.perf_counter() - t0) * 1000
             if hasattr(source, "close"):

@@ -36,6 +36,11 @@ class StreamDecoder:
                 data = data[1:]
         return self._utf8.decode(data)
 
-    def flush(self) -> str:
-        """The end of the stream: held-back bytes of an unfinished character become U+FFFD."""
+    def flush(self, cut: bool = False) -> str:
+        """The end of the stream: held-back bytes of an unfinished character become U+FFFD, as in decode().
+        cut: a limit ended the stream (a token budget), not the text: the unfinished character's bytes were
+        to come in the next tokens, so they are dropped rather than shown as U+FFFD in an answer kept for good."""
+        if cut:
+            self._utf8.reset()
+            return ""
         return self._utf8.decode(b"", final=True)
