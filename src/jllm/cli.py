@@ -390,8 +390,10 @@ def _after_reply(a: argparse.Namespace, eng, run, ids: list[int], verbose: bool)
         line = _timings_line(run.timings.as_dict())
         st = run.spec_stats.as_dict() if run.spec_stats is not None else None
         if st and st["drafted"]:
+            leaves = f", {st['leaves_taken']}/{st['leaves']} side leaves taken" if st.get("leaves") else ""
             line += (f" [speculation: {st['accepted']}/{st['drafted']} drafts accepted "
-                     f"({100 * st['acceptance_rate']:.0f} %), {st['tokens_per_verify']} tokens a target pass]")
+                     f"({100 * st['acceptance_rate']:.0f} %){leaves}, {st['tokens_per_verify']} tokens a target "
+                     f"pass]")
         lines.append(line)
     dim = sys.stderr.isatty()
     for line in lines:
@@ -461,9 +463,10 @@ def _cache_action(a: argparse.Namespace, cache_dir, store, shared) -> int:
     elif a.action == "clear":
         n = store.clear()
         clear_temps(cache_dir)                  # histories stay; their dead writers' temp files go
-        print(f"removed {n} cached states")
+        print(f"removed {n} cached state{'s' * (n != 1)}")
         if shared is not None:
-            print(f"removed {shared.clear()} cached states from {shared.where}")
+            m = shared.clear()
+            print(f"removed {m} cached state{'s' * (m != 1)} from {shared.where}")
     else:
         st = store.stats()
         if shared is not None:
@@ -706,9 +709,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "model's alias, file name or \"default\" (by default any name is served by the loaded model)")
     sv.set_defaults(func=cmd_serve)
 
-    k = sub.add_parser("cache", help="the persistent KV cache: ls | rm ID... | clear | stats", usage=CACHE_USAGE)
+    k = sub.add_parser("cache", help="the persistent KV cache: ls | rm ID... | clear | stats", usage=CACHE_USAGE,
+                       description="ls: the cached states and the conversations; rm ID...: forget conversations "
+                       "(their cached states and their histories); clear: drop every cached state (the histories "
+                       "stay, their next turns recompute); stats: sizes and counts")
     k.add_argument("action", nargs="?", choices=["ls", "rm", "clear", "stats"])
-    k.add_argument("ids", nargs="*", metavar="ID", help="conversations to remove (rm only)")
+    k.add_argument("ids", nargs="*", metavar="ID", help="conversations to forget (rm only): state and history")
     _cache_args(k, shared=True)
     k.set_defaults(func=cmd_cache)
 
