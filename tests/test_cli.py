@@ -451,6 +451,53 @@ def test_chat_commands_stay_out_of_the_conversation(home):
     assert "(resumed conversation cmd: 2 earlier turns)" in proc.stderr, proc.stderr
 
 
+def test_ctrl_c_keeps_the_answer_so_far_with_its_question(home, monkeypatch, capsys):
+    """Interactive chat, in this process: Ctrl-C during the first answer (after three pieces), then a second
+    question answered whole. The history keeps both questions, the first answer as far as it got; Ctrl-C
+    before any text keeps nothing and says so."""
+    import builtins
+
+    from jllm import cli
+    from jllm.engine import Engine
+
+    monkeypatch.chdir(home)
+    monkeypatch.setenv("JLLM_CONVERTED_DIR", str(home / "converted"))
+    kv = home / "kv-ctrl-c"
+    real_stream, calls = Engine.stream, []
+
+    def stream(self, *args, **kw):
+        calls.append(1)
+        run = real_stream(self, *args, **kw)
+        stop_after = {1: 3, 2: 0}.get(len(calls))
+        if stop_after is None:
+            return run
+
+        def pieces():
+            for i, piece in enumerate(run):
+                if i == stop_after:
+                    raise KeyboardInterrupt
+                yield piece
+        return pieces()
+
+    lines = iter(["first", "never answered", "second"])
+
+    def fake_input(prompt=""):
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    monkeypatch.setattr(Engine, "stream", stream)
+    monkeypatch.setattr(builtins, "input", fake_input)
+    assert cli.main(["chat", "-m", "tiny.gguf", "-n", "6", "--cache-dir", str(kv), "--conversation", "cc"]) == 0
+    err = capsys.readouterr().err
+    assert "[stopped: the question and the answer so far are kept]" in err, err
+    assert "[stopped before the answer began: the question is not kept]" in err, err
+    saved = json.loads((kv / "conversations" / "cc.json").read_text())["messages"]
+    assert [m["role"] for m in saved] == ["user", "assistant", "user", "assistant"]
+    assert [saved[0]["content"], saved[2]["content"]] == ["first", "second"] and saved[1]["content"]
+
+
 def test_chat_with_a_model_without_a_chat_template_says_it_is_a_base_model(home):
     data = bytearray((home / "tiny.gguf").read_bytes())
     template = read_gguf(home / "tiny.gguf").metadata["tokenizer.chat_template"]

@@ -295,6 +295,14 @@ def cmd_chat(a: argparse.Namespace) -> int:
                 parts.append(piece.text)
                 if piece.token_id >= 0:
                     ids.append(piece.token_id)
+        except KeyboardInterrupt:                 # Ctrl-C: an answer begun is kept as far as it got, with its question
+            if "".join(parts).strip():
+                messages.append({"role": "assistant", "content": "".join(parts)})
+                if history:
+                    history.save()
+            else:
+                messages.pop()
+            raise
         except BaseException:
             messages.pop()
             raise
@@ -353,11 +361,13 @@ def cmd_chat(a: argparse.Namespace) -> int:
             continue
         if not line.strip():
             continue
+        before = len(messages)
         try:
             _, ids, run = turn(line, echo=True)
         except KeyboardInterrupt:
             console.end_answer()
-            print("[stopped: this question and its partial answer are not kept]", file=sys.stderr)
+            print("[stopped: the question and the answer so far are kept]" if len(messages) > before else
+                  "[stopped before the answer began: the question is not kept]", file=sys.stderr)
             continue
         except JllmError as e:          # e.g. the conversation outgrew the context: keep the session
             print(f"\njllm: {e} — /reset starts over", file=sys.stderr)
