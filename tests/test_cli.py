@@ -509,8 +509,10 @@ def test_chat_with_a_model_without_a_chat_template_says_it_is_a_base_model(home)
     write_tiny_model(home / "long.gguf", "qwen2", intermediate_size=256, seed=11)   # runs on past 256
     data = bytearray((home / "long.gguf").read_bytes())
     patch_string_value(data, "tokenizer.chat_template", " " * len(template.encode()))
-    out = json.loads(jllm(home, "chat", "-m", derived(home, "long-base.gguf", data), "-p", "hello", "--json").stdout)
+    proc = jllm(home, "chat", "-m", derived(home, "long-base.gguf", data), "-p", "hello", "--json")
+    out = json.loads(proc.stdout)
     assert len(out["token_ids"]) == 256 and out["finish_reason"] == "length"      # no -n: 256 at most
+    assert "carries no chat template" in proc.stderr                            # said for one turn (-p) too
     assert "carries no chat template" not in jllm(home, "chat", "-m", "tiny.gguf", "-n", "2", stdin="").stderr
 
 

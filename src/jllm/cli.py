@@ -312,7 +312,12 @@ def cmd_chat(a: argparse.Namespace) -> int:
             history.save()
         return reply, ids, run
 
+    base_note = (f"note: {eng.gguf.path.name} carries no chat template, as base (pretrained) models do: it "
+                 "continues text rather than answering, so answers stop at 256 tokens unless -n says otherwise (try "
+                 "an instruct model; `jllm models` marks them)")
     if a.prompt is not None:                      # one turn, then exit
+        if eng.chat_template.is_builtin:
+            print(base_note, file=sys.stderr)
         reply, ids, run = turn(a.prompt, echo=not a.json)
         eng.wait_saves()
         if a.json:
@@ -330,9 +335,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
     print(f"jllm chat — {name}" + (f", conversation {conv_id}" if conv_id else "") +
           ". /help lists the commands, Ctrl-D or /exit quits.", file=sys.stderr)
     if eng.chat_template.is_builtin:
-        print(f"note: {eng.gguf.path.name} carries no chat template, as base (pretrained) models do: it continues "
-              "text rather than answering, so answers stop at 256 tokens unless -n says otherwise (try an instruct "
-              "model; `jllm models` marks them)", file=sys.stderr)
+        print(base_note, file=sys.stderr)
     if resumed:
         print(f"(resumed conversation {conv_id}: {resumed} earlier turn{'s' * (resumed != 1)})", file=sys.stderr)
     while True:
