@@ -100,6 +100,34 @@ def test_a_sampled_generation_repeats_for_its_seed_whatever_the_clock(files, mon
     assert all(r == runs[0] for r in runs) and len(runs[0]) == 48
 
 
+def test_a_round_stopped_inside_undoes_itself(files, monkeypatch):
+    """Ctrl-C between a tree round's verify pass and keep(): the sequence goes back to where the round began
+    (its tree rows are not where their tokens are), so a next generation that reuses the prefix reads only
+    rows that match their tokens: greedy output stays plain decoding's."""
+    from jllm.spec import loop
+
+    p = SamplingParams(max_tokens=40)
+    ref = engine(files["target"], mode="none").generate(PROMPT, p)
+    eng = Engine(files["target"], ctx_size=256, threads=1, draft_path=files["head"], precision="native",
+                 spec=SpecConfig(mode="draft", p_min=0.0, cost_stop=False, tree_width=3, tree_branches=2,
+                                 tree_nodes=6))
+    real, seen = loop.verify_tree, []
+
+    def verify_then_stop(*args):
+        seen.append(len(eng.target))              # the sequence after the pass: the block's tokens added
+        if len(seen) == 3:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(loop, "verify_tree", verify_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        eng.generate(PROMPT, p)
+    monkeypatch.undo()
+    block = seen[2]
+    assert len(eng.target) < block and len(eng.target.ids) == eng.target.cache.length
+    assert eng.generate(PROMPT, p).token_ids == ref.token_ids
+
+
 def test_a_head_given_as_the_model_says_where_it_goes(files):
     with pytest.raises(JllmError, match=r"is an EAGLE-3 draft head, not a model: give it with -md"):
         engine(files["head"], mode="none")

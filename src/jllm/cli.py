@@ -299,7 +299,10 @@ def cmd_chat(a: argparse.Namespace) -> int:
             if "".join(parts).strip():
                 messages.append({"role": "assistant", "content": "".join(parts)})
                 if history:
-                    history.save()
+                    try:
+                        history.save()
+                    except KeyboardInterrupt:     # a second Ctrl-C: the file keeps the turns before this one
+                        console.warn(f"conversation {conv_id}: this turn was not saved (interrupted)")
             else:
                 messages.pop()
             raise

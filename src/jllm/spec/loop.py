@@ -69,17 +69,25 @@ class SpeculativeDecoder:
             t0 = time.perf_counter()
             before, leaf, tree = len(target), proposal.leaf, proposal.tree
             block = [last] + proposal.tokens + ([leaf[1]] if leaf else [])
-            if tree is not None:                    # greedy only: rows past the first chain are tree rows
-                if not params.argmax_only:
-                    raise ValueError("a tree of drafts is verified greedily only; this generation samples")
-                chain = next((j for j, p in enumerate(tree) if p != j), len(tree))
-                out = target.forward(block, tree=tree[chain:])
-                verdict = verify_tree(proposal.tokens, tree, out)
-            else:
-                out = target.forward(block, tree=[leaf[0]] if leaf else None)  # the leaf's parent: row leaf[0]
-                verdict = verify_block(proposal.tokens, proposal.probs, leaf, out, params, history, gen)
-            kept = _until_end_of_turn(verdict.accepted, self.eot_ids)   # the cache never holds an EOT token
-            target.keep(before, [last] + kept, rows=None if verdict.rows is None else [0] + verdict.rows[:len(kept)])
+            try:
+                if tree is not None:                # greedy only: rows past the first chain are tree rows
+                    if not params.argmax_only:
+                        raise ValueError("a tree of drafts is verified greedily only; this generation samples")
+                    chain = next((j for j, p in enumerate(tree) if p != j), len(tree))
+                    out = target.forward(block, tree=tree[chain:])
+                    verdict = verify_tree(proposal.tokens, tree, out)
+                else:
+                    out = target.forward(block, tree=[leaf[0]] if leaf else None)  # the leaf's parent: row leaf[0]
+                    verdict = verify_block(proposal.tokens, proposal.probs, leaf, out, params, history, gen)
+                kept = _until_end_of_turn(verdict.accepted, self.eot_ids)   # the cache never holds an EOT token
+                target.keep(before, [last] + kept,
+                            rows=None if verdict.rows is None else [0] + verdict.rows[:len(kept)])
+            except BaseException:
+                # stopped inside a round (Ctrl-C): between the pass and keep() the sequence lists the block's
+                # tokens while tree and leaf rows are not where their tokens are; a later prompt reusing that
+                # prefix would read them, so the round is undone
+                target.rollback(before)
+                raise
             self._observe(proposal, verdict, len(block) - 1, time.perf_counter() - t0)
             for tok in verdict.accepted:
                 history.append(tok)

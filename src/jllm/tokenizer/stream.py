@@ -17,7 +17,8 @@ class StreamDecoder:
 
     The concatenated output equals `tokenizer.decode(ids, skip_special)` (with `text_start=True`), or that text
     keeping its leading space (`text_start=False`, the default): generated tokens continue a prompt, so a
-    SentencePiece "▁word" at their start is a real space, not the one encode() prepends to a text.
+    SentencePiece "▁word" at their start is a real space, not the one encode() prepends to a text. Except after
+    flush(cut=True), which drops an unfinished last character where decode() ends in U+FFFD.
     """
 
     def __init__(self, tokenizer: Tokenizer, *, skip_special: bool = False, text_start: bool = False):
