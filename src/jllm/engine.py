@@ -22,16 +22,15 @@ import torch
 from jllm.cache.shared import RedisTier, check_url
 from jllm.cache.store import KVState, KVStore, dtype_name, model_fingerprint
 from jllm.cache.tiered import TieredStore
-from jllm.eagle3.format import check_target, is_head, read_d2t, read_head_config
+from jllm.eagle3.format import is_head
 from jllm.eagle3.head import Eagle3Head
 from jllm.errors import JllmError
 from jllm.gguf.reader import read_gguf
-from jllm.model.config import config_from_gguf
 from jllm.model.loader import default_precision, load_model, resolve_device
 from jllm.plan import check_limit, physical_memory, plan
 from jllm.sampling import SamplingParams, argmax, make_generator, sample
 from jllm.sequence import Sequence, common_prefix
-from jllm.spec.compat import check_compatible
+from jllm.spec.compat import check_draft
 from jllm.spec.config import SpecConfig, draft_precision_for
 from jllm.spec.loop import SpeculativeDecoder
 from jllm.spec.policy import DraftGate, RoundGate
@@ -226,18 +225,15 @@ class Engine:
         """Read the draft's header and check it against the target, before any weights load: a draft model's
         tokenizer, or everything an EAGLE-3 head depends on (format.check_target)."""
         dg = read_gguf(draft_path)
-        if is_head(dg):
-            cfg = config_from_gguf(self.gguf.metadata, set(self.gguf.tensors), str(self.gguf.path))
-            check_target(read_head_config(dg), dg, cfg, self.gguf, read_d2t(dg))
-        else:
-            check_compatible(self.gguf.metadata, dg.metadata, self.gguf.path.name, dg.path.name)
+        check_draft(self.gguf, dg)
         return dg
 
     def _check_memory(self, draft_gguf, spec, ctx_size: int) -> None:
         """Refuse, before allocating, a configuration that needs more than this machine's RAM (a context of
         millions of tokens would otherwise end in the OOM killer, or in a traceback for an impossible size)."""
         spec = spec or SpecConfig()
-        rows = plan(self.gguf, draft_gguf, ctx_size, self.precision, spec.draft_precision, spec.draft_vocab or None)
+        rows = plan(self.gguf, draft_gguf, ctx_size, self.precision, spec.draft_precision, spec.draft_vocab or None,
+                    checked=True)
         check_limit(rows, physical_memory(), "this machine's memory")
 
     def _load_draft(self, dg, spec) -> None:

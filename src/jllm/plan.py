@@ -20,6 +20,7 @@ from jllm.model.kv_cache import kv_dtype
 from jllm.model.qlinear import packed_bytes, row_kind
 from jllm.model.weights import layer_matrices, output_matrix
 from jllm.spec import DRAFT_VOCAB
+from jllm.spec.compat import check_draft
 from jllm.spec.config import draft_precision_for
 
 RUNTIME_BYTES = 350 << 20      # python + torch + tokenizer, measured: RSS of an engine on a tiny model
@@ -141,21 +142,17 @@ def _native_weights(g: GGUFFile, cfg, output_rows: int | None, all_four: bool = 
 
 
 def plan(target: str | GGUFFile, draft: str | GGUFFile | None, ctx: int, precision: str,
-         draft_precision: str = "auto", draft_vocab: int | None = DRAFT_VOCAB) -> list[Budget]:
-    """Budgets of the target and the draft (paths, or files already read)."""
+         draft_precision: str = "auto", draft_vocab: int | None = DRAFT_VOCAB, checked: bool = False) -> list[Budget]:
+    """Budgets of the target and the draft (paths, or files already read). A draft that cannot run with this
+    target is refused as the engine refuses it (spec.compat.check_draft), unless `checked`: the caller has."""
 
     read = lambda f: f if isinstance(f, GGUFFile) else read_gguf(f)      # noqa: E731
     t = read(target)
     rows = [model_budget(t, precision, ctx)]
     if draft:
         g = read(draft)
-        if is_head(g):                       # a draft that cannot run with this target is refused as it is there
-            fmt.check_target(read_head_config(g), g, config_from_gguf(t.metadata, set(t.tensors), str(t.path)), t,
-                             fmt.read_d2t(g))
-        else:
-            from jllm.spec.compat import check_compatible
-
-            check_compatible(t.metadata, g.metadata, t.path.name, g.path.name)
+        if not checked:
+            check_draft(t, g)
         rows.append(head_budget(g, ctx) if is_head(g) else
                     model_budget(g, draft_precision_for(precision, draft_precision), ctx, output_rows=draft_vocab))
     return rows

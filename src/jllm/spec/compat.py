@@ -68,3 +68,17 @@ def check_compatible(target_meta: dict, draft_meta: dict, target_name: str, draf
         raise JllmError(f"draft model {draft_name} cannot draft for {target_name}, their tokenizers differ "
                         f"({target_name} vs {draft_name}): {'; '.join(diffs)}; "
                         f"choose a draft from the target's model family, with the same tokenizer")
+
+
+def check_draft(target, draft) -> None:
+    """Refuse (JllmError, one line) a draft that cannot draft for this target, from the two files' headers
+    (jllm.gguf.reader.GGUFFile): a draft model's tokenizer (check_compatible), or everything an EAGLE-3 head
+    depends on (eagle3.format.check_target). The engine runs it before any weights load; `jllm plan` too."""
+    from jllm.eagle3.format import check_target, is_head, read_d2t, read_head_config
+    from jllm.model.config import config_from_gguf
+
+    if is_head(draft):
+        cfg = config_from_gguf(target.metadata, set(target.tensors), str(target.path))
+        check_target(read_head_config(draft), draft, cfg, target, read_d2t(draft))
+    else:
+        check_compatible(target.metadata, draft.metadata, target.path.name, draft.path.name)
