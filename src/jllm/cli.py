@@ -127,7 +127,7 @@ def _precision(a: argparse.Namespace) -> str:
 
 def _spec_config(a: argparse.Namespace):
     """--spec, or JLLM_SPEC_DECODE=1|0 as the default; with a draft model, speculation is on unless turned off."""
-    from jllm.spec.config import SpecConfig, check_tree
+    from jllm.spec.config import SpecConfig
 
     if not hasattr(a, "spec"):
         return None
@@ -138,17 +138,24 @@ def _spec_config(a: argparse.Namespace):
             raise JllmError(f"JLLM_SPEC_DECODE must be 1 or 0, not {env!r}")
         on = env == "1" if env in ("0", "1") else bool(a.draft_model)
         mode = "auto" if on else "none"
-    if mode in ("draft", "draft+ngram") and not a.draft_model:
-        raise JllmError(f"--spec {mode} needs a draft model (-md/--draft-model)")
-    if a.draft_min < 1 or a.draft_max < a.draft_min:
-        raise JllmError(f"need 1 <= --draft-min <= --draft-max (got {a.draft_min}, {a.draft_max})")
-    if not 0.0 <= a.draft_p_min <= 1.0:
-        raise JllmError(f"--draft-p-min must be between 0 and 1 (got {a.draft_p_min})")
-    if not 0.0 <= a.draft_leaf_p <= 1.0:
-        raise JllmError(f"--draft-leaf-p must be between 0 and 1 (got {a.draft_leaf_p})")
-    check_tree(a.draft_tree)
+    _check_spec_values(a, mode, "--spec")
     return SpecConfig(mode=mode, draft_max=a.draft_max, draft_min=a.draft_min, p_min=a.draft_p_min,
                       leaf_p=a.draft_leaf_p, tree_width=a.draft_tree)
+
+
+def _check_spec_values(a: argparse.Namespace, mode: str | None, mode_flag: str) -> None:
+    """The speculation settings generation and bench share: a mode that needs a draft model has one, the draft
+    bounds and probabilities are in range, a tree width is one."""
+    from jllm.spec.config import check_tree
+
+    if mode in ("draft", "draft+ngram") and not a.draft_model:
+        raise JllmError(f"{mode_flag} {mode} needs a draft model (-md/--draft-model)")
+    if a.draft_min < 1 or a.draft_max < a.draft_min:
+        raise JllmError(f"need 1 <= --draft-min <= --draft-max (got {a.draft_min}, {a.draft_max})")
+    for flag, v in (("--draft-p-min", a.draft_p_min), ("--draft-leaf-p", a.draft_leaf_p)):
+        if not 0.0 <= v <= 1.0:
+            raise JllmError(f"{flag} must be between 0 and 1 (got {v})")
+    check_tree(a.draft_tree)
 
 
 def _spec_args(p: argparse.ArgumentParser) -> None:
@@ -617,13 +624,7 @@ def _check_bench(a: argparse.Namespace) -> None:
                 ("--max-k", a.max_k, 1), ("--repeats", a.repeats, 1), ("--ppl-tokens", a.ppl_tokens, 2)]
     if a.spec_corpus:
         at_least += [("-n/--n-predict", a.n_predict, 1)] + ([("--limit", a.limit, 1)] if a.limit is not None else [])
-        if a.draft_min < 1 or a.draft_max < a.draft_min:
-            raise JllmError(f"need 1 <= --draft-min <= --draft-max (got {a.draft_min}, {a.draft_max})")
-        for flag, v in (("--draft-p-min", a.draft_p_min), ("--draft-leaf-p", a.draft_leaf_p)):
-            if not 0.0 <= v <= 1.0:
-                raise JllmError(f"{flag} must be between 0 and 1 (got {v})")
-        if a.spec_mode in ("draft", "draft+ngram") and not a.draft_model:
-            raise JllmError(f"--spec-mode {a.spec_mode} needs a draft model (-md/--draft-model)")
+        _check_spec_values(a, a.spec_mode, "--spec-mode")
     if a.multiturn:
         at_least += [("--conversations", a.conversations, 1), ("-n/--n-predict", a.n_predict, 1)]
         if not 1 <= a.first_tokens <= MULTITURN_FIRST_MAX:
