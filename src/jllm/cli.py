@@ -15,6 +15,7 @@ import time
 
 from jllm import console
 from jllm.errors import JllmError
+from jllm.paths import check_writable
 from jllm.spec import DRAFT_MAX, DRAFT_MIN, LEAF_P, P_MIN
 from jllm.tokenizer.unicode import well_formed
 
@@ -605,16 +606,6 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     return 0
 
 
-def _writable_file(path: str, flag: str) -> None:
-    """--json and the like: fail before the benchmark runs, not after, where the file cannot be written."""
-    from pathlib import Path
-
-    p = Path(path)
-    if p.is_dir() or not p.parent.is_dir() or not os.access(p.parent, os.W_OK) or \
-            (p.exists() and not os.access(p, os.W_OK)):
-        raise JllmError(f"{flag} {path}: cannot write there")
-
-
 def _check_bench(a: argparse.Namespace) -> None:
     """Every bench setting that can be wrong, refused in one line before a model loads."""
     from pathlib import Path
@@ -643,8 +634,11 @@ def _check_bench(a: argparse.Namespace) -> None:
     if a.llamacpp and not (Path(a.llamacpp) / "llama-bench").is_file():
         raise JllmError(f"--llamacpp: {Path(a.llamacpp) / 'llama-bench'} not found (build it with "
                         f"../shared/tools/build_llamacpp.sh)")
-    if a.json:
-        _writable_file(a.json, "--json")
+    if a.json:                                     # fail before the benchmark runs, not after
+        try:
+            check_writable(a.json)
+        except OSError as e:
+            raise JllmError(f"--json {a.json}: cannot write there ({e.strerror or e})") from None
 
 
 MULTITURN_FIRST_MAX = 3584        # jllm.cache.bench's turns run at -c 4096, with room for the reply

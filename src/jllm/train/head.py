@@ -13,9 +13,7 @@ Prints each phase's time and the training curve (per step loss and top-1 agreeme
 from __future__ import annotations
 
 import argparse
-import errno
 import math
-import os
 import random
 import sys
 import time
@@ -27,6 +25,7 @@ import torch
 
 from jllm.catalog import resolve
 from jllm.errors import JllmError
+from jllm.paths import check_writable
 from jllm.train import data as data_mod
 from jllm.train.eagle3 import Eagle3Head, HeadConfig, reply_rows
 from jllm.train.export import file_bytes, write_head
@@ -369,17 +368,9 @@ def _checkpoint(out: str, head: Eagle3Head, model: str, qtype) -> None:
 
 
 def _writable(path: str, what: str) -> None:
-    """Fail now, not after an hour of work, where `path` cannot be written: a new file of a fresh name made
-    beside it and removed (nothing there is touched)."""
-    import tempfile
-
-    p = Path(path)
+    """Fail now, not after an hour of work, where `path` cannot be written."""
     try:
-        if p.is_dir():
-            raise IsADirectoryError(errno.EISDIR, "it is a directory")
-        fd, probe = tempfile.mkstemp(dir=p.parent if str(p.parent) else ".", prefix=f".{p.name}.")
-        os.close(fd)
-        os.unlink(probe)
+        check_writable(path)
     except OSError as e:
         raise JllmError(f"cannot write {what} {path}: {e.strerror or e}") from None
 
