@@ -304,24 +304,25 @@ def cmd_chat(a: argparse.Namespace) -> int:
                 if piece.token_id >= 0:
                     ids.append(piece.token_id)
         except KeyboardInterrupt:                 # Ctrl-C: an answer begun is kept as far as it got, with its question
-            if "".join(parts).strip():
-                messages.append({"role": "assistant", "content": "".join(parts)})
-                if history:
-                    try:
-                        history.save()
-                    except KeyboardInterrupt:     # a second Ctrl-C: the file keeps the turns before this one
-                        console.warn(f"conversation {conv_id}: this turn was not saved (interrupted)")
-            else:
+            if not "".join(parts).strip():
                 messages.pop()
+                raise
+            try:
+                keep("".join(parts))
+            except KeyboardInterrupt:             # a second Ctrl-C: the file keeps the turns before this one
+                console.warn(f"conversation {conv_id}: this turn was not saved (interrupted)")
             raise
         except BaseException:
             messages.pop()
             raise
         reply = "".join(parts)
+        keep(reply)
+        return reply, ids, run
+
+    def keep(reply: str) -> None:
         messages.append({"role": "assistant", "content": reply})
         if history:                               # a failure (a full disk) is one warning: the reply stays
             history.save()
-        return reply, ids, run
 
     base_note = (f"note: {eng.gguf.path.name} carries no chat template, as base (pretrained) models do: it "
                  "continues text rather than answering, so answers stop at 256 tokens unless -n says otherwise (try "
