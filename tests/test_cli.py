@@ -44,12 +44,18 @@ def home(tmp_path_factory) -> Path:
     return d
 
 
+def jllm_env(home: Path) -> dict:
+    """The environment of a jllm run in home: no JLLM_ settings of the caller's but the kernels' directory."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JLLM_") or k == "JLLM_KERNELS_DIR"}
+    env.update(JLLM_CONVERTED_DIR=str(home / "converted"), JLLM_MODELS_DIR=str(home / "models"),
+               JLLM_CACHE_DIR=str(home / "kv-default"), PYTHONPATH=str(REPO / "src"))
+    return env
+
+
 def jllm(home: Path, *args: str, stdin: str | bytes | None = None, env: dict | None = None,
          interpreter: bool = False):
     """`jllm args` in home, forked (interpreter=False) or as `python -m jllm` -> CompletedProcess (str output)."""
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("JLLM_") or k == "JLLM_KERNELS_DIR"}
-    full_env.update(JLLM_CONVERTED_DIR=str(home / "converted"), JLLM_MODELS_DIR=str(home / "models"),
-                    JLLM_CACHE_DIR=str(home / "kv-default"), PYTHONPATH=str(REPO / "src"))
+    full_env = jllm_env(home)
     full_env.update(env or {})
     stdin = stdin if isinstance(stdin, bytes) else (stdin or "").encode()
     if not interpreter:
@@ -268,9 +274,7 @@ def test_a_new_system_message_for_an_old_conversation_is_said_to_be_unused(home)
 
 def test_output_to_a_full_disk_and_a_closed_stdin(home):
     """stdout on a full device: one line saying so, exit 1; chat with stdin closed: as at the end of input."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JLLM_") or k == "JLLM_KERNELS_DIR"}
-    env.update(JLLM_CONVERTED_DIR=str(home / "converted"), JLLM_CACHE_DIR=str(home / "kv-default"),
-               PYTHONPATH=str(REPO / "src"))
+    env = jllm_env(home)
     run = [sys.executable, "-m", "jllm"]
     with open("/dev/full", "w") as full:
         proc = subprocess.run(run + ["generate", "-m", "tiny.gguf", "-p", "hi", "-n", "4"], cwd=home, env=env,
