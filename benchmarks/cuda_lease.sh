@@ -104,8 +104,11 @@ if want mma; then
     | tee "$OUT/matvec_cores.log"
 fi
 if want dp4a; then                    # the dp4a kernels' sweep (jllm.cuda.dp4a) at decode's and verify's rows
-  JLLM_MATVEC_MMA=0 JLLM_MATVEC_DP4A=1 python3 benchmarks/cuda_matvec.py --rows 1 4 8 --block-n 16 32 64 128 \
-    --sb 1 2 --split 1 3 6 --short-split --reps 50 --all --best "$OUT/best_dp4a.json" 2>&1 | tee "$OUT/matvec_dp4a.log"
+  # a narrow grid: each setting is a compile of a few seconds, and session 33's wide one (4 x 2 x 3 settings at
+  # 1, 4 and 8 rows) spent 12 minutes on the three smallest shapes, whose best was block_n 16, sb 2, split 3 at
+  # every row count (results/s33/matvec_dp4a.log)
+  JLLM_MATVEC_MMA=0 JLLM_MATVEC_DP4A=1 python3 benchmarks/cuda_matvec.py --rows 1 4 --block-n 16 32 \
+    --sb 2 --split 1 3 --short-split --reps 50 --all --best "$OUT/best_dp4a.json" 2>&1 | tee "$OUT/matvec_dp4a.log"
 fi
 RUN="python3 benchmarks/cuda_tuned.py $OUT/best.json"
 [ -f "$OUT/best.json" ] || RUN="python3 benchmarks/cuda_tuned.py /dev/null"

@@ -43,6 +43,9 @@ def main() -> None:
     if eng.model.chain is not None:           # plain greedy steps one pass each (the steps' unit), not chained
         eng.model.chain = None
         print("plain decoding one step a pass here (jllm.cuda.chain off): the unit of the verify passes")
+    if eng.rounds is not None:                # the host-driven loop's passes: rounds on the device bypass it (a
+        eng.rounds = None                     # session-33 run without this timed plain passes only, k = 0)
+        print("speculation driven by the host here (jllm.cuda.rounds off): its passes are what this times")
     times = collections.defaultdict(list)         # (mode, rows) -> seconds of target passes
     spent = collections.Counter()                 # (mode, "target" | "draft" | "decode") -> seconds
     mode = ["plain"]
