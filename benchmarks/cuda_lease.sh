@@ -27,7 +27,8 @@
 # ROWS="8 1": bench and spec once per JLLM_MATVEC_ROWS value (rows of x a matvec program; 1: a program a row).
 # MMA="0 1 dp4a": tests, profile, bench and spec once per kernel choice (`kern` below: 1 the tensor-core
 # kernels, jllm.cuda.mma; q4_k: Q4_K's only, Q6_K's on the float kernels; dp4a: int8 x and dp4a,
-# jllm.cuda.dp4a, dp4a:q4_k for Q4_K's only). The next lease after session 29, in this order:
+# jllm.cuda.dp4a, dp4a:q4_k for Q4_K's only; imma: dp4a with its passes of several rows on the int8 tensor cores,
+# jllm.cuda.imma). The next lease after session 29, in this order:
 #   MMA="0 dp4a" bash benchmarks/cuda_lease.sh dp4a bench profile   (the dp4a sweep's best settings feed bench and
 #                       profile; the norm's and the GLU's x preparation now spread over a program a super-block)
 #   MMA="dp4a" ROUNDS="0 3" bash benchmarks/cuda_lease.sh rounds    (a round's cost with a random head)
@@ -71,7 +72,7 @@ MMA=${MMA:-0}
 ROUNDS=${ROUNDS:-0}
 # a kernel choice, one of MMA's values -> its settings: 0 (the float kernels), 1 / q4_k / q6_k (the tensor cores
 # for those block types), dp4a / dp4a:q4_k / dp4a:q6_k (int8 x and dp4a, jllm.cuda.dp4a)
-kern() { case $1 in dp4a) echo JLLM_MATVEC_MMA=0 JLLM_MATVEC_DP4A=1;; dp4a:*) echo JLLM_MATVEC_MMA=0 JLLM_MATVEC_DP4A=${1#dp4a:};;
+kern() { case $1 in dp4a) echo JLLM_MATVEC_MMA=0 JLLM_MATVEC_DP4A=1;; imma) echo JLLM_MATVEC_MMA=0 JLLM_MATVEC_DP4A=1 JLLM_MATVEC_IMMA=1;; dp4a:*) echo JLLM_MATVEC_MMA=0 JLLM_MATVEC_DP4A=${1#dp4a:};;
   *) echo JLLM_MATVEC_MMA=$1 JLLM_MATVEC_DP4A=0;; esac; }
 [ -n "${MODEL:-}" ] || [ -f $S15 ] || python3 benchmarks/synthetic_gguf.py $S15 --shape qwen2.5-1.5b --dtype q4_k_m
 LB=/tmp/lcpp/build/bin/llama-bench
@@ -89,7 +90,7 @@ XDIST=; python3 -c "import xdist" 2>/dev/null && [ "$PAR" -gt 1 ] && XDIST="-n $
 if [ -z "$ARGS" ] || want tests; then
   for t in $MMA; do
     env $(kern $t) python3 -m pytest -q --tb=line $XDIST tests/test_cuda.py tests/test_cuda_matvec.py \
-      tests/test_cuda_attention.py tests/test_cuda_fused.py tests/test_cuda_head.py tests/test_cuda_ptx.py tests/test_cuda_rounds.py tests/test_cuda_dp4a.py tests/test_verify.py 2>&1 \
+      tests/test_cuda_attention.py tests/test_cuda_fused.py tests/test_cuda_head.py tests/test_cuda_ptx.py tests/test_cuda_rounds.py tests/test_cuda_dp4a.py tests/test_cuda_imma.py tests/test_verify.py 2>&1 \
       | tee "$OUT/tests_mma${t/:/-}.log" | tail -25
   done
 fi

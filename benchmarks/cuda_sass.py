@@ -23,7 +23,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from jllm.cuda import dp4a, mma, q4_k, q6_k
+from jllm.cuda import dp4a, imma, mma, q4_k, q6_k
 
 _COMMON = {"b_ptr": "*fp32", "y_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "NB": "i32", "Y_STRIDE": "i32",
            "NB_PART": "i32", "P_STRIDE": "i32"}
@@ -43,6 +43,13 @@ KERNELS = {"q4_k": (q4_k._q4_k_matvec, {"x_ptr": "*fp32", "qs_ptr": "*i32", "d_p
                                            "d_ptr": "*fp16", "dmin_ptr": "*fp16", "sc_ptr": "*u8", "mn_ptr": "*u8"},
                          {"enable_fp_fusion": False}),
            "q6_k_dp4a": (dp4a._q6_k_dp4a, {"xq_ptr": "*i32", "s6_ptr": "*i32", "ql_ptr": "*i32",
+                                           "qh_ptr": "*i32", "sc_ptr": "*i8", "d_ptr": "*fp16"},
+                         {"enable_fp_fusion": False}),
+           # dp4a's products for several rows on the int8 tensor cores (jllm.cuda.imma): all 16 rows a program
+           "q4_k_imma": (imma._q4_k_imma, {"xq_ptr": "*i8", "s4_ptr": "*fp32", "qs_ptr": "*i32",
+                                           "d_ptr": "*fp16", "dmin_ptr": "*fp16", "sc_ptr": "*u8", "mn_ptr": "*u8"},
+                         {"enable_fp_fusion": False}),
+           "q6_k_imma": (imma._q6_k_imma, {"xq_ptr": "*i8", "s6_ptr": "*i32", "ql_ptr": "*i32",
                                            "qh_ptr": "*i32", "sc_ptr": "*i8", "d_ptr": "*fp16"},
                          {"enable_fp_fusion": False})}
 DIVISIBLE = ("N", "K", "Y_STRIDE")      # as triton's launcher specialises them for the real shapes (x 16)

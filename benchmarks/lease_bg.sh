@@ -14,6 +14,11 @@
 #   wait [SECONDS]
 #           poll every 5 s until every job has ended or SECONDS (500) have passed, then poll once more.
 # L is /tmp/L unless LEASE_DIR says otherwise (the tests run it on the CPU with a fake command).
+# Session 33 ran this plan (BENCHMARKS.md, "Session 33 on the GPU"): tests pass under both kernel families, the real
+# model decodes at 1.10x llama.cpp; rounds with the head gain nothing (0.95x) until verify rows are near free at
+# the CUDA cores' one-row speed, which needs kernel work first (jllm.cuda.imma's note). Until that exists, a lease
+# is better spent on issue 26's training (training/README.md: --init from the shipped head); the dp4a sweep alone
+# took over 12 minutes there (now narrower), and a second `gpu.sh setup` emptied the joined target (now kept).
 # The calls for issue 23 (benchmarks/cuda_lease.sh's header says what each step measures):
 #   1. carry .whl, .xfer/lcpp.tar.xz and .xfer/train_old (issue 26's training step before and after a change):
 #      bash benchmarks/lease_bg.sh start syn MMA="0 dp4a" -- bash benchmarks/cuda_lease.sh build tests dp4a profile \

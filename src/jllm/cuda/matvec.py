@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from jllm.cuda import blocks32, dp4a, mma, q4_k, q6_k
+from jllm.cuda import blocks32, dp4a, imma, mma, q4_k, q6_k
 
 _KERNELS = {q4_k.Q4KWeight: q4_k.launch, q6_k.Q6KWeight: q6_k.launch, blocks32.Blocks32Weight: blocks32.launch}
 _SPLITS = (q4_k.Q4KWeight, q6_k.Q6KWeight)           # the kernels that take a share of a row
@@ -56,7 +56,8 @@ def matvec(x: torch.Tensor, w, block_n: int | None = None, out: torch.Tensor | N
     """x [M, K] (float32 or bfloat16) -> y = x W^T (+ bias) [M, N] float32, written into `out` when given (a
     column range of a wider output: its rows may be further apart). block_n, sb, split, stages: the kernel's
     setting, by default setting(w) (benchmarks try others). prep: x as jllm.cuda.ready made it, for the
-    tensor cores' and the dp4a kernels (made here if needed and not given)."""
+    tensor cores' and the dp4a kernels (made here if needed and not given). A dp4a pass of several rows runs
+    on the int8 tensor cores (jllm.cuda.imma: the dp4a kernel's numbers bit for bit)."""
     launch = _KERNELS.get(type(w))
     if launch is None:
         raise TypeError(f"no GPU kernel for {type(w).__name__}")
@@ -74,6 +75,8 @@ def matvec(x: torch.Tensor, w, block_n: int | None = None, out: torch.Tensor | N
         launch, default = dp4a.launch, (*dp4a.setting(w), 1)
         own = prep.dp4a if prep is not None else None
     block_n, sb, split, stages = block_n or default[0], sb or default[1], split or default[2], stages or default[3]
+    if ints and imma.takes(x.shape[0], block_n, sb):
+        launch = imma.launch                  # dp4a's numbers on the int8 tensor cores: a verify pass's rows
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"x must be [M, {k}], is {list(x.shape)}")
     x = x.contiguous()
