@@ -24,6 +24,8 @@
 # (benchmarks/synthetic_head.py: its drafts almost all wrong, so a round's tokens/s against plain is about its
 # cost in steps; the rounds' accepted count says how far from all wrong).
 # spec runs once per ROUNDS value too.
+# roundprof: benchmarks/cuda_round_profile.py once per kernel choice and ROUNDS value (0 read as 3): a round's graph
+# against a decode step, a verify pass and the head's passes, and an eager round's kernels by part.
 # ROWS="8 1": bench and spec once per JLLM_MATVEC_ROWS value (rows of x a matvec program; 1: a program a row).
 # MMA="0 1 dp4a": tests, profile, bench and spec once per kernel choice (`kern` below: 1 the tensor-core
 # kernels, jllm.cuda.mma; q4_k: Q4_K's only, Q6_K's on the float kernels; dp4a: int8 x and dp4a,
@@ -147,6 +149,14 @@ if want rounds; then                  # a round's cost: a random head unless HEA
         | tee "$OUT/rounds_${TAG}_mma${t/:/-}_k${q}_g$g.log" | tail -4
       [ "$q" = 0 ] && break
     done
+  done; done
+fi
+if want roundprof; then               # where a round's time goes (a random head unless HEAD is given), per kernel choice
+  H=${HEAD:-/tmp/h15.gguf}
+  [ -f "$H" ] || python3 benchmarks/synthetic_head.py $S15 "$H" || exit 1
+  for t in $MMA; do for q in ${ROUNDS/0/3}; do
+    env $(kern $t) python3 benchmarks/cuda_round_profile.py $S15 "$H" -k $q 2>&1 \
+      | tee "$OUT/roundprof_${TAG}_mma${t/:/-}_k$q.log"
   done; done
 fi
 if want loop; then                    # per pass inside the speculative loop: the head's step and the host's share

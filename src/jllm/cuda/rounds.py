@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import torch
+from torch.profiler import record_function
 
 from jllm.errors import JllmError
 
@@ -107,26 +108,30 @@ class HeadRounds:
         """One round on the buffers (nothing in it reads the host: a CUDA graph's body)."""
         head, k = self.head, self.k
         pos = b.state[1:2]
-        drafts = [self._draft_id(b.logits)]
-        state = b.hidden.view(1, -1)
-        for j in range(1, k):                   # head step j: the draft d_j at head position pos + j - 1
-            x = torch.cat([head.embed(drafts[-1]).float(), state], dim=1)
-            logits, state = head._blocks_body(x, head.cache, pos + (j - 1))
-            drafts.append(self._draft_id(logits[0]))
-        block = torch.cat([b.state[0:1]] + drafts)                       # [k + 1]: b, d_1 .. d_k
-        rows = pos + self.rows
-        logits, hidden = self.model._blocks_body(self.model.embed(block), cache, rows, capture)
-        features.index_copy_(0, rows, hidden.to(features.dtype))
-        a = torch.argmax(logits, dim=1)                                  # the target's tokens, [k + 1]
-        n = torch.cumprod((block[1:] == a[:k]).to(torch.int64), 0).sum().view(1)
-        b.log.index_copy_(0, b.at, torch.cat([n + 1, a]).view(1, -1))
-        b.at.add_(1).remainder_(b.log.shape[0])
-        x = torch.cat([head.embed(a).float(), head.fuse(features.index_select(0, rows))], dim=1)
-        logits, out = head._blocks_body(x, head.cache, rows)
-        b.logits.copy_(logits.index_select(0, n)[0])
-        b.hidden.copy_(out.index_select(0, n)[0])
-        b.state[0:1].copy_(a.index_select(0, n))
-        b.state[1:2].add_(n + 1)
+        with record_function("round: head drafts"):          # (labels for benchmarks/cuda_round_profile.py)
+            drafts = [self._draft_id(b.logits)]
+            state = b.hidden.view(1, -1)
+            for j in range(1, k):               # head step j: the draft d_j at head position pos + j - 1
+                x = torch.cat([head.embed(drafts[-1]).float(), state], dim=1)
+                logits, state = head._blocks_body(x, head.cache, pos + (j - 1))
+                drafts.append(self._draft_id(logits[0]))
+        with record_function("round: verify"):
+            block = torch.cat([b.state[0:1]] + drafts)                   # [k + 1]: b, d_1 .. d_k
+            rows = pos + self.rows
+            logits, hidden = self.model._blocks_body(self.model.embed(block), cache, rows, capture)
+        with record_function("round: bookkeeping"):
+            features.index_copy_(0, rows, hidden.to(features.dtype))
+            a = torch.argmax(logits, dim=1)                              # the target's tokens, [k + 1]
+            n = torch.cumprod((block[1:] == a[:k]).to(torch.int64), 0).sum().view(1)
+            b.log.index_copy_(0, b.at, torch.cat([n + 1, a]).view(1, -1))
+            b.at.add_(1).remainder_(b.log.shape[0])
+        with record_function("round: head rows"):
+            x = torch.cat([head.embed(a).float(), head.fuse(features.index_select(0, rows))], dim=1)
+            logits, out = head._blocks_body(x, head.cache, rows)
+            b.logits.copy_(logits.index_select(0, n)[0])
+            b.hidden.copy_(out.index_select(0, n)[0])
+            b.state[0:1].copy_(a.index_select(0, n))
+            b.state[1:2].add_(n + 1)
 
     def _prepared(self, cache, features, capture) -> _Buffers:
         per_cache = self._buffers.setdefault(cache, weakref.WeakKeyDictionary())
