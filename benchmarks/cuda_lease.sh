@@ -154,7 +154,8 @@ fi
 if want roundprof; then               # where a round's time goes (a random head unless HEAD is given), per kernel choice
   H=${HEAD:-/tmp/h15.gguf}
   [ -f "$H" ] || python3 benchmarks/synthetic_head.py $S15 "$H" || exit 1
-  for t in $MMA; do for q in ${ROUNDS/0/3}; do
+  # ROUNDS' 0 (the host's loop) means nothing here: read as the default round, 3, once
+  for t in $MMA; do for q in $(for v in $ROUNDS; do [ "$v" = 0 ] && echo 3 || echo "$v"; done | sort -un); do
     env $(kern $t) python3 benchmarks/cuda_round_profile.py $S15 "$H" -k $q 2>&1 \
       | tee "$OUT/roundprof_${TAG}_mma${t/:/-}_k$q.log"
   done; done

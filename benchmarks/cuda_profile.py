@@ -80,7 +80,10 @@ def median_wall(run, reps: int) -> float:
 
 
 def cuda_events(prof) -> list:
-    return [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    """The profiled CUDA kernels (not the GPU-side spans of record_function labels, which torch lists as CUDA
+    events too)."""
+    return [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA
+            and not getattr(e, "is_user_annotation", False)]
 
 
 def prefill(m, ctx: torch.Tensor, top: int, reps: int = 5) -> None:

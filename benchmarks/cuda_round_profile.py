@@ -66,14 +66,15 @@ def main() -> None:
 
     ids1 = torch.tensor([token], device="cuda")
     idsk = torch.full((k + 1,), token, device="cuda")
+    host1, hostk = ids1.cpu(), idsk.cpu()                 # the head's tokens, as its step takes them
     g1 = first.state.reshape(1, -1)
     gk = g1.expand(k + 1, -1).contiguous()
     cut = lambda: (seq.cache.truncate(pos), head.cache.truncate(pos))          # noqa: E731
     rows = [("a round (graph replay)", lambda: b.graph.replay(), start),
-            ("a decode step (graph)", lambda: m.forward(ids1, seq.cache), cut),
-            (f"a verify pass of {k + 1} rows (graph)", lambda: m.forward(idsk, seq.cache), cut),
-            ("the head, one row (graph)", lambda: head.forward(ids1.cpu(), g1), cut),
-            (f"the head, {k + 1} rows (graph)", lambda: head.forward(idsk.cpu(), gk), cut)]
+            ("a decode step (graph)", lambda: m.forward(ids1, seq.cache, capture=seq.capture), cut),
+            (f"a verify pass of {k + 1} rows (graph)", lambda: m.forward(idsk, seq.cache, capture=seq.capture), cut),
+            ("the head, one row (graph)", lambda: head.forward(host1, g1), cut),
+            (f"the head, {k + 1} rows (graph)", lambda: head.forward(hostk, gk), cut)]
     print(f"k = {k}, context {pos}")
     for label, run, reset in rows:
         print(f"{label:<40} {timed(run, reset):8.3f} ms")
@@ -85,7 +86,8 @@ def main() -> None:
             r._round(b, seq.cache, seq.features, seq.capture)
         torch.cuda.synchronize()
     kernel_table(prof, 5, a.top, "one eager round")
-    parts = [e for e in prof.key_averages() if e.key.startswith("round: ")]
+    parts = [e for e in prof.key_averages() if e.key.startswith("round: ")       # the labels' CPU side: the GPU
+             and e.device_type == torch.autograd.DeviceType.CPU]                  # time of what each launched
     total = sum(e.self_device_time_total for e in cuda_events(prof)) / 5
     print(f"\nby part of the round (GPU time of the kernels each launches; all {total / 1e3:.3f} ms)")
     for e in parts:

@@ -66,11 +66,12 @@ def test_which_passes_it_takes(monkeypatch):
     monkeypatch.delenv("JLLM_MATVEC_IMMA", raising=False)
     assert not imma.takes(4, 64, 2)                 # off by default (the module's note)
     monkeypatch.setenv("JLLM_MATVEC_IMMA", "1")
-    assert imma.takes(2, 64, 2) and imma.takes(16, 16, 1)
+    assert imma.takes(2, 64, 2) and imma.takes(16, 32, 1)
     assert not imma.takes(1, 64, 2)                 # a decode step stays on dp4a's kernel
     assert not imma.takes(17, 64, 2)                # beyond a pass of 16 rows
     assert not imma.takes(4, 8, 2)                  # below tl.dot's 16 outputs
     assert not imma.takes(4, 32, 4)                 # four lanes: dp4a's sum of them is the compiler's order
+    assert not imma.takes(4, 16, 1)                 # a setting dp4a's kernel refuses (block_n x sb < 32)
     monkeypatch.setenv("JLLM_MATVEC_IMMA", "0")
     assert not imma.takes(4, 64, 2)
     monkeypatch.setenv("JLLM_MATVEC_IMMA", "yes")

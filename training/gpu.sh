@@ -45,7 +45,7 @@ setup)
     # the pieces stay until the sum is right: a piece lost with a machine that went cold is sent again. A target
     # already joined and right is kept: a second setup (session 33: a call repeated for a missing wheel) joined
     # no pieces into it and emptied it, and the 20 pieces had to travel again
-    if ! { [ -s "$M/t.gguf" ] && echo "$2  $M/t.gguf" | sha256sum -c --quiet - 2>/dev/null; }; then
+    if ! { [ -s "$M/t.gguf" ] && echo "$2  $M/t.gguf" | sha256sum -c --quiet - >/dev/null 2>&1; }; then
         ls "$M"/p?? > /dev/null 2>&1 || { echo "no pieces in $M and no target there: recv them first" >&2; exit 1; }
         cat "$M"/p?? > "$M/t.gguf"
         echo "$2  $M/t.gguf" | sha256sum -c - || { echo "pieces here: $(cd "$M" && ls p?? | paste -sd' ')" >&2; exit 1; }

@@ -62,8 +62,9 @@ def enabled() -> bool:
 
 def fits(m: int, block_n: int, sb: int) -> bool:
     """Whether a dp4a pass of m rows at this setting can run here: 2..16 rows, at least 16 outputs a program
-    (tl.dot's least), one or two super-blocks a step (see the module's note on SB = 4)."""
-    return 2 <= m <= ROWS and block_n >= 16 and sb <= 2
+    (tl.dot's least), one or two super-blocks a step (see the module's note on SB = 4), and a setting dp4a's
+    kernel takes too (block_n x sb >= 32), which the pass's rows must match."""
+    return 2 <= m <= ROWS and block_n >= 16 and sb <= 2 and block_n * sb >= 32    # the last: dp4a's own least
 
 
 def takes(m: int, block_n: int, sb: int) -> bool:
