@@ -33,6 +33,10 @@ two fmas per row, output and sub-block), and the weight codes go to shared memor
 operand (~4 a weight of shifts, masks, STS and LDS). What would make it pay: x scaled per super-block rather than
 per block of 32 (the sub-blocks' integer sums times their 6-bit scales then add up exactly in int32, and the
 float terms fall eightfold, in dp4a's kernel and here alike), and the codes handed to the mma as packed words.
+Tried offline (session 33): the codes made four at a time by inline PTX (pack=4: one shr and one and a word) cut
+the shifts and masks from ~545 to ~165 a step and the loop to 7.6 a weight, but Triton still writes the int8
+operand to shared memory a byte at a time (STS 256 a step), with the weights as the A operand (wgmma on sm_90:
+7.9) as with x (7.6); that store, not the unpacking, is the wall.
 """
 
 from __future__ import annotations
