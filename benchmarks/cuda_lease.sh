@@ -43,7 +43,7 @@
 # each shape goes to $OUT/best_dp4a.json, which profile and bench then run dp4a choices under.
 # build: only start llama.cpp's build (from the first call, so that it is done when `llamacpp` runs).
 # trainstep: issue 26's training step (jllm.train.head) on the synthetic target: its log's step times and
-# profile table, beside an earlier training package's if .xfer/train_old/ is carried (below).
+# profile table, with --compile too, beside an earlier training package's if .xfer/train_old/ is carried (below).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1   # gguf; serve: fastapi, uvicorn, httpx
@@ -179,11 +179,13 @@ if want trainstep; then              # issue 26: the head's training step on the
   python3 -m jllm.train.head -m $S15 -o /tmp/h_syn.gguf --device cuda --data /tmp/syn_conv.npz --magpie 64 \
     --package 512 --writing 0 --questions 0 --requests 0 --gen-batch 576 --max-new 512 --gen-time 60 --data-only \
     2>&1 | tee "$OUT/trainstep_data.log" | tail -3
-  train_steps() {                    # $1: the log under $OUT
-    python3 -m jllm.train.head -m $S15 -o /tmp/h_syn.gguf --device cuda --data /tmp/syn_conv.npz $TS 2>&1 \
-      | tee "$OUT/$1" | grep -E "^step (1|60)/|wrote"
+  train_steps() {                    # $1: the log under $OUT; then more train-head arguments
+    local log=$1; shift
+    python3 -m jllm.train.head -m $S15 -o /tmp/h_syn.gguf --device cuda --data /tmp/syn_conv.npz $TS "$@" 2>&1 \
+      | tee "$OUT/$log" | grep -E "^step (1|60)/|wrote"
   }
   train_steps trainstep.log
+  train_steps trainstep_compile.log --compile      # the head's step through torch.compile (its first steps compile)
   if [ -d .xfer/train_old ]; then
     rm -rf /tmp/old_src && cp -r src /tmp/old_src && rm -rf /tmp/old_src/jllm/train && cp -r .xfer/train_old /tmp/old_src/jllm/train
     PYTHONPATH="/tmp/old_src:${PYTHONPATH#*:}" train_steps trainstep_old.log

@@ -627,3 +627,19 @@ def test_a_profiled_run_says_where_its_steps_time_went(target):
     train(tg, new_head(tg, d2t, ffn=64), conv, TrainConfig(steps=2, lr=1e-3, warmup=1, batch_tokens=512,
                                                             max_len=256, ttt=2, log_every=100, profile=5), log=logs.append)
     assert any(line.startswith("profile of 1 training steps") for line in logs)    # cut short by the end
+
+
+def test_a_compiled_step_trains_as_the_eager_one(target):
+    """--compile: the head's unrolled step through torch.compile gives the eager step's losses (to float
+    rounding: the compiler fuses, and may sum in another order)."""
+    tg, _, _ = target
+    conv, d2t = one_prompt_data(tg, "Name three colours", 20, 3)
+    losses = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        tc = TrainConfig(steps=2, lr=1e-3, warmup=1, batch_tokens=512, max_len=256, ttt=2, log_every=100,
+                         compile=compiled)
+        head = new_head(tg, d2t, ffn=64)
+        losses.append(train(tg, head, conv, tc, log=lambda *a: None).loss)
+        assert compiled == hasattr(head.block, "_torchdynamo_orig_callable")        # it did go through it
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)

@@ -48,6 +48,7 @@ class TrainConfig:
     holdout_batches: int = 8         # of them, at most this many batches are scored at each log line
     time_limit: float | None = None  # seconds at most: the schedule then ends with the time, decayed, if first
     profile: int = 0                 # steps to run under torch's profiler after the first (0: none): its table
+    compile: bool = False            # the head's unrolled step through torch.compile (fused elementwise work)
 
     def __post_init__(self):
         if self.steps < 1 or self.ttt < 1 or self.batch_tokens < self.max_len or self.lr <= 0 or \
@@ -206,6 +207,10 @@ def train(target: Target, head: Eagle3Head, conv: data_mod.Conversations, tc: Tr
         log(f"step {step}: held-out agreement per draft step {' '.join(f'{a:.2f}' for a in held_acc)} "
             f"({len(held)} conversations kept out)")
 
+    if tc.compile:
+        # the step's norms, RoPE, GLU and residuals were ~2/5 of a training step's GPU time as separate kernels
+        # (training/README.md, the profile); compiled, they fuse. Same parameters, so the head is written as ever
+        head.block = torch.compile(head.block, dynamic=True)
     head.train()
     order: list[int] = []
     prof, profiled = None, 0
@@ -249,13 +254,17 @@ def train(target: Target, head: Eagle3Head, conv: data_mod.Conversations, tc: Tr
         hist.tokens += int(lengths.sum())
         hist.target_s += t1 - t0
         hist.head_s += t2 - t1
+        if step == 0:                               # the first step compiles and allocates: the rate after it
+            first_tokens, after_first = hist.tokens, time.perf_counter()
         profiled += prof is not None
         if (step + 1) % tc.log_every == 0 or step == 0 or step + 1 == tc.steps:
             k = min(tc.log_every, len(hist.loss))
             acc = np.mean(hist.step_acc[-k:], axis=0)
+            now = time.perf_counter()
+            steady = f", {(hist.tokens - first_tokens) / (now - after_first):.0f} after the first step" if step else ""
             log(f"step {step + 1}/{tc.steps}: loss {np.mean(hist.loss[-k:]):.3f}, agreement per draft step "
-                f"{' '.join(f'{a:.2f}' for a in acc)}, {hist.tokens / (time.perf_counter() - t_start):.0f} "
-                f"tok/s (target {hist.target_s:.1f} s, head {hist.head_s:.1f} s)")
+                f"{' '.join(f'{a:.2f}' for a in acc)}, {hist.tokens / (now - t_start):.0f} "
+                f"tok/s{steady} (target {hist.target_s:.1f} s, head {hist.head_s:.1f} s)")
             if held_batches and ((step + 1) % (4 * tc.log_every) == 0 or step + 1 == tc.steps):
                 score(step + 1)
                 if checkpoint is not None:
@@ -345,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", type=int, default=0, help="run this many training steps (after the first) "
                     "under torch's profiler and print where their time went")
+    ap.add_argument("--compile", action="store_true", help="the head's step through torch.compile (its first "
+                    "steps then compile; on a GPU its elementwise work fuses)")
     a = ap.parse_args(argv)
     try:
         return _run(a)
@@ -425,7 +436,8 @@ def _run(a) -> int:
     print(f"head: draft vocabulary {len(d2t)}, ffn {head.c.ffn}, layers {list(head.c.target_layers)}, "
           f"~{file_bytes(head, qtype) / 2**20:.1f} MiB of tensors in {qtype.name}")
     tc = TrainConfig(steps=a.steps, lr=a.lr, batch_tokens=a.batch_tokens, max_len=a.max_len, ttt=a.ttt,
-                     seed=a.seed, holdout=a.holdout, time_limit=a.train_time, profile=a.profile)
+                     seed=a.seed, holdout=a.holdout, time_limit=a.train_time, profile=a.profile,
+                     compile=a.compile)
     t1 = time.perf_counter()
     hist = train(target, head, conv, tc, checkpoint=(lambda h: _checkpoint(a.out, h, a.model, qtype))
                  if a.checkpoint else None)
