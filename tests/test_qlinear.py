@@ -341,3 +341,32 @@ def test_converting_removes_files_of_older_formats(tmp_path, monkeypatch):
     assert not old.exists() and other.exists()
     (current,) = [p for p in conv.glob("*.jllmw") if p != other]
     assert current.read_bytes()[:8] == converted.MAGIC
+
+
+def test_converting_removes_files_whose_model_is_gone_or_changed(tmp_path, monkeypatch):
+    """A replaced or deleted GGUF leaves no converted copy of its weights behind once jllm converts again."""
+    import os
+
+    from synthetic import write_tiny_model
+
+    from jllm.model.loader import load_model
+
+    conv = tmp_path / "conv"
+    monkeypatch.setenv("JLLM_CONVERTED_DIR", str(conv))
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    write_tiny_model(a, "qwen2")
+    write_tiny_model(b, "qwen2")
+    load_model(a, "cpu", "native")
+    load_model(a, "cpu", "native4")                         # another precision of the same file: both kept
+    load_model(b, "cpu", "native")
+    assert len(list(conv.glob("*.jllmw"))) == 3
+    foreign = conv / "notes.jllmw"
+    foreign.write_bytes(b"something else entirely")        # not ours: kept
+    b.unlink()                                              # b deleted
+    st = a.stat()
+    os.utime(a, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))    # a replaced (a new time): its copies are stale
+    load_model(a, "cpu", "native")                          # converts a again, and tidies up
+    left = sorted(p for p in conv.glob("*.jllmw") if p != foreign)
+    assert len(left) == 1 and foreign.exists()
+    from jllm.model.converted import ConvertedReader, cache_key
+    assert left[0].stem == cache_key(a, "native") and ConvertedReader(left[0]).source["gguf"] == str(a)

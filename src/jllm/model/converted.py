@@ -63,6 +63,7 @@ class ConvertedReader:
         if header.get("version") != VERSION:
             raise ValueError("version mismatch")
         self.tensors = header["tensors"]
+        self.source = header.get("source")       # {"gguf": its path, "precision": ...}: what it was made from
         self.data_start = 8
         if self.data_start + sum(t[3] for t in self.tensors.values()) != size - 8 - h:
             raise ValueError("truncated")
@@ -113,6 +114,7 @@ class ConvertedWriter:
             self.abort()
             raise
         remove_old_versions(self.path.parent)
+        remove_stale(self.path.parent)
 
     def abort(self) -> None:
         self.f.close()
@@ -131,6 +133,25 @@ def remove_old_versions(directory: Path) -> None:
                 path.unlink()
         except OSError:
             pass                                  # another process's file, gone or unreadable: leave it
+
+
+def remove_stale(directory: Path) -> None:
+    """Delete converted files of this format whose GGUF is gone or has changed (its size or time: the key a
+    load would look for is no longer theirs), so that replacing or deleting a model does not leave ~1 GB of
+    its weights behind for good. Files that cannot be read (another process's, damaged) are left alone: a load
+    that meets a damaged one deletes it."""
+    for path in directory.glob("*.jllmw"):
+        try:
+            source = ConvertedReader(path).source
+            gguf, precision = source["gguf"], source["precision"]
+        except (ValueError, OSError, json.JSONDecodeError, KeyError, TypeError):
+            continue
+        try:
+            current = cache_key(Path(gguf), precision)
+        except OSError:
+            current = None                        # the GGUF is gone
+        if current != path.stem:
+            path.unlink(missing_ok=True)
 
 
 def open_converted(gguf_path: Path, precision: str) -> tuple[ConvertedReader | None, Path]:
