@@ -25,7 +25,9 @@ words' unpacked codes land) times the weights' codes unpacked to [32, BLOCK_N] i
 
 Without a GPU (Triton's interpreter in the tests) tl.dot sums int8 in int32 as the GPU's mma does.
 
-Not yet a gain, so off by default (JLLM_MATVEC_IMMA=1 turns it on): by its SASS (`python benchmarks/cuda_sass.py
+Equal to dp4a bit for bit on an H100 too (session 33: tests/test_cuda_imma.py, and benchmarks/cuda_imma_time.py
+compares every pass it times), but not yet a gain, so off by default (JLLM_MATVEC_IMMA=1 turns it on): a pass of
+4 rows of ffn_gate_up takes 39.9 us against dp4a's 14.9 (BENCHMARKS.md, "Session 33 on the GPU"). By its SASS (`python benchmarks/cuda_sass.py
 q4_k_imma --block-n 64 --sb 2`, Triton 3.9, sm_90) the Q4_K kernel is 9.1 instructions a weight for any pass of
 up to 16 rows, against dp4a's 1.20 / 2.63 / 4.38 for 1 / 4 / 8 rows (Q6_K: 14.1 against 1.66 / 3.20 / 6.68). Two
 things cost it: dp4a's float terms per block of 32 run for all 16 rows of the tile (~2.75 a weight: _times and
