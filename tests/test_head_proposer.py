@@ -171,14 +171,38 @@ def test_a_head_for_another_target_is_refused_in_one_line(files):
     assert "\n" not in str(e.value)
 
 
-def test_sampled_with_the_head_follows_the_targets_distribution(files):
-    """Speculative sampling with the head drafting follows the target's distribution (chi-square)."""
+@pytest.mark.parametrize("tau", [1.0, 0.5])
+def test_sampled_with_the_head_follows_the_targets_distribution(files, tau):
+    """Speculative sampling with the head drafting follows the target's distribution (chi-square), also with
+    the head's drafts drawn at a lower temperature than the target's (head_tau)."""
     target = engine(files["target"], mode="none")
     ids = target.encode(PROMPT)
     exact = two_token_chi2.exact_joint(target, ids)
     spec = Engine(files["target"], ctx_size=256, threads=1, draft_path=files["head"], precision="native",
-                  spec=SpecConfig(mode="draft", draft_max=1, p_min=0.0))
+                  spec=SpecConfig(mode="draft", draft_max=1, p_min=0.0, head_tau=tau))
     assert two_token_chi2.check(spec, ids, exact) == 1500          # the head drafted the second token each time
+
+
+def test_the_heads_draft_temperature_factor_reaches_its_drafts(files, monkeypatch):
+    """head_tau scales the temperature the head's sampled drafts are drawn at (q is the softmax of its logits
+    over tau T), for the head only: the draft model's chooser sees 1."""
+    from jllm.sampling import SamplingParams, probs
+    from jllm.spec.proposers import Chooser
+
+    seen = []
+    real = Chooser.__call__
+    monkeypatch.setattr(Chooser, "__call__", lambda self, *a, **k: seen.append(a[4] if len(a) > 4 else 1.0)
+                        or real(self, *a, **k))
+    spec = Engine(files["target"], ctx_size=256, threads=1, draft_path=files["head"], precision="native",
+                  spec=SpecConfig(mode="draft", p_min=0.0, head_tau=0.6))
+    spec.generate(PROMPT, SamplingParams(temperature=0.9, seed=3, max_tokens=12))
+    assert seen and set(seen) == {0.6}
+    logits = torch.randn(40, generator=torch.Generator().manual_seed(2))
+    params = SamplingParams(temperature=0.9, top_p=0.95)
+    _, p, q = Chooser()(logits, params, torch.Generator().manual_seed(0), [], 0.6)
+    assert torch.allclose(q, probs(logits / 0.6, params, []), atol=1e-6)
+    _, _, q1 = Chooser()(logits, params, torch.Generator().manual_seed(0), [])
+    assert torch.allclose(q1, probs(logits, params, []), atol=1e-6) and q.max() > q1.max()
 
 
 def test_plan_budgets_the_head(files):

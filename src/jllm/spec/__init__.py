@@ -22,6 +22,12 @@ DRAFT_VOCAB = 65536
 # Side leaf: greedy rounds also verify the draft's second choice at its least confident drafted position when
 # that position's probability is below LEAF_P
 LEAF_P = 0.7
+# Sampled drafting with an EAGLE-3 head: its drafts are drawn at HEAD_TAU times the sampling temperature. The
+# head's distribution q is flatter than the target's p, and the verify accepts a sampled draft with probability
+# sum min(p, q): the shipped head's first draft on the corpus at T 1.0, 0.565 at tau 1 and 0.597 at 0.6-0.7; at
+# T 0.7, 0.604 and 0.616 (BENCHMARKS.md, "The head's drafts at a lower temperature"). Any q keeps the output's
+# distribution the target's.
+HEAD_TAU = 0.65
 # The share of side leaves taken, assumed until the decoder has measured it; with the measured cost of a row
 # it decides whether leaves pay on this machine (DraftGate.leaf_pays)
 LEAF_TAKEN = 0.25

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jllm.spec import DRAFT_MAX, DRAFT_MIN, DRAFT_VOCAB, LEAF_P, P_MIN
+from jllm.spec import DRAFT_MAX, DRAFT_MIN, DRAFT_VOCAB, HEAD_TAU, LEAF_P, P_MIN
 
 MODES = ("auto", "draft", "ngram", "draft+ngram", "none")
 TREE_WIDTH_MAX = 8
@@ -34,6 +34,8 @@ class SpecConfig:
     tree_branches: int = 2      # ... expanding this many nodes a depth (one batched head step)
     tree_nodes: int = 8         # ... of at most this many nodes (verify rows)
     tree_p: float = 0.0         # ... each node's path at least this likely by the head (and paying for its row)
+    head_tau: float = HEAD_TAU  # sampled: an EAGLE-3 head's drafts are drawn at this times the sampling
+                                # temperature (its distribution is flatter than the target's; see jllm/spec)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -43,6 +45,9 @@ class SpecConfig:
         if not 0 <= self.tree_width <= TREE_WIDTH_MAX or self.tree_branches < 1 or self.tree_nodes < 1:
             raise ValueError(f"need 0 <= tree_width <= {TREE_WIDTH_MAX}, tree_branches >= 1 and tree_nodes >= 1, got "
                              f"{self.tree_width}, {self.tree_branches}, {self.tree_nodes}")
+
+        if not 0.05 <= self.head_tau <= 4.0:
+            raise ValueError(f"head_tau must be between 0.05 and 4, got {self.head_tau}")
 
     def proposers(self, has_draft: bool) -> tuple[bool, bool]:
         """(use the n-gram proposer, use the draft model) for this mode."""

@@ -120,7 +120,8 @@ class SpeculativeDecoder:
                 tree = (cfg.tree_width, cfg.tree_branches, min(cfg.tree_nodes, room), cfg.tree_p) \
                     if self.trees and greedy and cfg.tree_width > 1 else None
                 limits = Limits(params, gen, k_min=cfg.draft_min, p_min=cfg.p_min, leaf_p=leaf_p,
-                                extend=self.gate.extend_pays if cfg.cost_stop else None, tree=tree)
+                                extend=self.gate.extend_pays if cfg.cost_stop else None, tree=tree,
+                                draft_tau=cfg.head_tau if self.draft.kind == "head" else 1.0)
                 return self.draft.propose(context, min(self.k["draft"], room), limits)
             return Proposal([])
         finally:

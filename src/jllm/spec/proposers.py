@@ -48,6 +48,7 @@ class Limits:
     leaf_p: float = 0.0                     # greedy: propose a side leaf where a token's probability is below
     extend: Callable[..., bool] | None = None   # policy: whether an n-th token pays, given the chain (and
                                                 # free=True: a token that costs no draft step)
+    draft_tau: float = 1.0                  # sampled: drafts are drawn at this times the sampling temperature
     tree: tuple[int, int, int, float] | None = None  # greedy, a head: draft a tree of (children per expanded
                                                 # node, nodes expanded per depth, nodes at most, the least
                                                 # probability of a node's path); None: a chain
@@ -84,7 +85,7 @@ def draft_chain(logits: torch.Tensor, step, k: int, limits: Limits, context: lis
     tokens, qs, ps, logits_at, chain = [], [], [], [], 1.0
     step_s, forwards = None, 0
     while True:
-        tok, p, q = choose(logits, params, limits.gen, context + tokens)
+        tok, p, q = choose(logits, params, limits.gen, context + tokens, limits.draft_tau)
         tokens.append(tok)
         ps.append(p)
         logits_at.append(logits)
@@ -202,8 +203,10 @@ class Chooser:
         self.target_vocab = target_vocab
         self._ids_t = torch.tensor(vocab_ids, dtype=torch.int64) if vocab_ids is not None else None
 
-    def __call__(self, logits: torch.Tensor, params: SamplingParams, gen, history: list[int]):
-        """-> (token, its probability, the distribution it was drawn from or None when greedy)."""
+    def __call__(self, logits: torch.Tensor, params: SamplingParams, gen, history: list[int], tau: float = 1.0):
+        """-> (token, its probability, the distribution it was drawn from or None when greedy). tau: sampled, the
+        draft is drawn from the logits at tau times the sampling temperature (the verify's rule takes any
+        distribution q it was drawn from, so the output's distribution is the target's whatever tau is)."""
         if params.greedy:
             if self.top_prob is not None:
                 tok, p = self.top_prob(logits.float())
@@ -211,6 +214,8 @@ class Chooser:
                 top_p, tok = torch.softmax(logits.float(), -1).max(-1)
                 tok, p = int(tok), top_p.item()
             return (self.ids[tok] if self.ids is not None else tok), p, None
+        if tau != 1.0:
+            logits = logits.float() / tau
         if self._ids_t is not None and self.target_vocab and params.repeat_penalty == 1.0:
             # Sampled over the draft vocabulary itself, then placed among the target's ids: those outside it
             # get 0 either way, and no draft step pays for a softmax, top-p and a CDF over the whole target
