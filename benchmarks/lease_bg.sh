@@ -19,6 +19,11 @@
 # the CUDA cores' one-row speed, which needs kernel work first (jllm.cuda.imma's note). Until that exists, a lease
 # is better spent on issue 26's training (training/README.md: --init from the shipped head); the dp4a sweep alone
 # took over 12 minutes there (now narrower), and a second `gpu.sh setup` emptied the joined target (now kept).
+# The next lease, in this order (~25 minutes): `lease_bg.sh start ts -- bash benchmarks/cuda_lease.sh trainstep`
+# (train-head --compile against eager on the synthetic target, no transfer), the 20 pieces and `gpu.sh keep
+# init.gguf`, then `gpu.sh setup SHA` and `lease_bg.sh start rp MODEL=/tmp/m/t.gguf HEAD=/tmp/m/init.gguf TAG=real
+# MMA="0 dp4a" ROUNDS=3 -- bash benchmarks/cuda_lease.sh roundprof` (where a round's time goes, ~3 minutes), then,
+# once both are done, training/README.md's "Session 33: the next run" (with --compile if trainstep says it pays).
 # The calls for issue 23 (benchmarks/cuda_lease.sh's header says what each step measures):
 #   1. carry .whl, .xfer/lcpp.tar.xz and .xfer/train_old (issue 26's training step before and after a change):
 #      bash benchmarks/lease_bg.sh start syn MMA="0 dp4a" -- bash benchmarks/cuda_lease.sh build tests dp4a profile \
