@@ -79,6 +79,19 @@ def takes(m: int, block_n: int, sb: int) -> bool:
 
 
 @triton.jit
+def _tile(M, N, NB, NB_PART, BLOCK_N: tl.constexpr, EVEN: tl.constexpr):
+    """The program's outputs (live: inside N; nn: clamped in bounds unless EVEN), the rows of x it reads (past M
+    the last, not stored), its share of the row and where the share ends, as dp4a's kernels have them."""
+    outs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    live = outs < N
+    nn = outs
+    if not EVEN:
+        nn = tl.minimum(outs, N - 1)
+    part = tl.program_id(2)
+    return outs, live, nn, tl.minimum(tl.arange(0, 16), M - 1), part, tl.minimum(NB, (part + 1) * NB_PART)
+
+
+@triton.jit
 def _step_q4(acc, xrow_ptr, s4row_ptr, w_ptr, at, d, dmin, sc_ptr, mn_ptr, J: tl.constexpr,
              BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr):
     """Sub-block J of one super-block lane (at [BN]: the outputs' super-block index; xrow_ptr [16]: the rows'
@@ -107,15 +120,7 @@ def _q4_k_imma(xq_ptr, s4_ptr, qs_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, b_ptr, y
                USE_ASM: tl.constexpr, EVEN: tl.constexpr):
     """x's codes xq (int8 [M, K], Q4_K's order) and (dx, bsx) s4 [M, K / 32, 2] -> y, dp4a's _q4_k_dp4a's
     numbers (its grid's outputs and shares, all rows in one program)."""
-    pid_n = tl.program_id(1)
-    outs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    live = outs < N
-    nn = outs
-    if not EVEN:
-        nn = tl.minimum(outs, N - 1)
-    xr = tl.minimum(tl.arange(0, 16), M - 1)            # rows past M read the last (not stored)
-    part = tl.program_id(2)
-    end = tl.minimum(NB, (part + 1) * NB_PART)
+    outs, live, nn, xr, part, end = _tile(M, N, NB, NB_PART, BLOCK_N, EVEN)
     acc0 = tl.zeros((16, BLOCK_N), dtype=tl.float32)    # lane 0: dp4a's c = SB - 1, the step's last super-block
     acc1 = tl.zeros((16, BLOCK_N), dtype=tl.float32)    # lane 1 (SB = 2): the step's first
     for kb in range(0, tl.cdiv(NB_PART, SB)):
@@ -185,15 +190,7 @@ def _q6_k_imma(xq_ptr, s6_ptr, ql_ptr, qh_ptr, sc_ptr, d_ptr, b_ptr, y_ptr, M, N
                P_STRIDE, BLOCK_N: tl.constexpr, SB: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr,
                EVEN: tl.constexpr):
     """x's codes xq (int8 [M, K], Q6_K's order) and s6 [M, K / 32, 4] -> y, dp4a's _q6_k_dp4a's numbers."""
-    pid_n = tl.program_id(1)
-    outs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    live = outs < N
-    nn = outs
-    if not EVEN:
-        nn = tl.minimum(outs, N - 1)
-    xr = tl.minimum(tl.arange(0, 16), M - 1)
-    part = tl.program_id(2)
-    end = tl.minimum(NB, (part + 1) * NB_PART)
+    outs, live, nn, xr, part, end = _tile(M, N, NB, NB_PART, BLOCK_N, EVEN)
     acc0 = tl.zeros((16, BLOCK_N), dtype=tl.float32)
     acc1 = tl.zeros((16, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(NB_PART, SB)):
