@@ -376,6 +376,14 @@ def test_bad_arguments_fail_before_any_work(capsys, tmp_path):
         (["-o", str(tmp_path)], "cannot write the head"),
         (["-o", out, "--data", str(tmp_path / "no-dir" / "d.npz")], "cannot write the training data"),
         (["-o", out, "--init", str(tmp_path / "none.gguf")], "--init"),
+        (["-o", out, "--steps", "0"], "--steps must be at least 1 (got 0)"),
+        (["-o", out, "--ttt", "0"], "--ttt must be at least 1"),
+        (["-o", out, "--magpie", "-1"], "--magpie must be at least 0"),
+        (["-o", out, "--batch-tokens", "100", "--max-len", "256"], "--batch-tokens (100) must hold one"),
+        (["-o", out, "--lr", "0"], "--lr must be above 0"),
+        (["-o", out, "--holdout", "0.9"], "--holdout must be between 0 and 0.5"),
+        (["-o", out, "--sampled", "2"], "--sampled must be between 0 and 1"),
+        (["-o", out, "--train-time", "0"], "--train-time must be above 0 seconds"),
     ]
     for extra, want in cases:
         assert cli.main(["train-head", "-m", "no-such-model", *extra]) == 1

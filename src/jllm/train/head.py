@@ -390,6 +390,24 @@ def _check_args(a) -> "gguf.GGMLQuantizationType":
     """Everything about the arguments that can be known before the target loads -> the file's matrix type."""
     from jllm.train.export import QUANTIZABLE
 
+    for flag, value, least in (("--steps", a.steps, 1), ("--ttt", a.ttt, 1), ("--draft-vocab", a.draft_vocab, 1),
+                               ("--ffn", a.ffn, 1), ("--max-len", a.max_len, 1), ("--max-new", a.max_new, 1),
+                               ("--gen-batch", a.gen_batch, 1), ("--magpie", a.magpie, 0),
+                               ("--package", a.package, 0), ("--writing", a.writing, 0),
+                               ("--questions", a.questions, 0), ("--requests", a.requests, 0),
+                               ("--profile", a.profile, 0)):
+        if value < least:
+            raise JllmError(f"{flag} must be at least {least} (got {value})")
+    if a.batch_tokens < a.max_len:
+        raise JllmError(f"--batch-tokens ({a.batch_tokens}) must hold one conversation of --max-len ({a.max_len})")
+    if not a.lr > 0:
+        raise JllmError(f"--lr must be above 0 (got {a.lr})")
+    for flag, value in (("--holdout", a.holdout), ("--follow-up", a.follow_up), ("--sampled", a.sampled)):
+        if not 0.0 <= value <= (0.5 if flag == "--holdout" else 1.0):
+            raise JllmError(f"{flag} must be between 0 and {0.5 if flag == '--holdout' else 1} (got {value})")
+    for flag, value in (("--train-time", a.train_time), ("--gen-time", a.gen_time)):
+        if value is not None and not value > 0:
+            raise JllmError(f"{flag} must be above 0 seconds (got {value})")
     if a.checkpoint and not a.holdout:
         raise JllmError("--checkpoint writes the head at each held-out score: it needs --holdout > 0")
     qtype = next((q for q in QUANTIZABLE if q.name == a.qtype.upper()), None)
