@@ -227,6 +227,7 @@ def test_bad_sampling_value(home):
     (["--spec", "ngram", "--draft-p-min", "nan"], ["--draft-p-min"]),
     (["-t", "0"], ["--threads"]),
     (["-c", "0"], ["--ctx-size"]),
+    (["-c", "-5"], ["-c/--ctx-size must be at least 1 (got -5)"]),     # not a word about max tokens
     (["-c", "100000000000"], ["this machine's memory", "-c/--ctx-size"]),     # before allocating terabytes
 ])
 def test_bad_sizes_and_spec_values(home, args, words):

@@ -57,6 +57,8 @@ def _sampling_args(p: argparse.ArgumentParser, n_predict: int | None = 256) -> N
 def _params(a: argparse.Namespace):
     from jllm.sampling import SamplingParams
 
+    if a.ctx_size < 1:                        # before -n -1's budget is taken from it
+        raise JllmError(f"-c/--ctx-size must be at least 1 (got {a.ctx_size})")
     if a.n_predict is not None and a.n_predict < -1:
         raise JllmError(f"-n/--n-predict must be -1 (until the answer ends or the context is full) or a count of "
                         f"tokens (got {a.n_predict})")
