@@ -51,9 +51,27 @@ class TrainConfig:
     compile: bool = False            # the head's unrolled step through torch.compile (fused elementwise work)
 
     def __post_init__(self):
-        if self.steps < 1 or self.ttt < 1 or self.batch_tokens < self.max_len or self.lr <= 0 or \
-                not 0.0 <= self.holdout <= 0.5 or (self.time_limit is not None and self.time_limit <= 0):
-            raise JllmError(f"bad training settings: {self}")
+        """The settings' bounds, said in train-head's flags (which this is built from: train_config)."""
+        for flag, value, least in (("--steps", self.steps, 1), ("--ttt", self.ttt, 1), ("--max-len", self.max_len, 1),
+                                   ("--profile", self.profile, 0)):
+            if value < least:
+                raise JllmError(f"{flag} must be at least {least} (got {value})")
+        if self.batch_tokens < self.max_len:
+            raise JllmError(f"--batch-tokens ({self.batch_tokens}) must hold one conversation of --max-len "
+                            f"({self.max_len})")
+        if not self.lr > 0:
+            raise JllmError(f"--lr must be above 0 (got {self.lr})")
+        if not 0.0 <= self.holdout <= 0.5:
+            raise JllmError(f"--holdout must be between 0 and 0.5 (got {self.holdout})")
+        if self.time_limit is not None and not self.time_limit > 0:
+            raise JllmError(f"--train-time must be above 0 seconds (got {self.time_limit})")
+
+
+def train_config(a) -> TrainConfig:
+    """train-head's arguments -> the training's settings (checked by TrainConfig itself)."""
+    return TrainConfig(steps=a.steps, lr=a.lr, batch_tokens=a.batch_tokens, max_len=a.max_len, ttt=a.ttt,
+                       seed=a.seed, holdout=a.holdout, time_limit=a.train_time, profile=a.profile,
+                       compile=a.compile)
 
 
 @dataclass
@@ -390,24 +408,18 @@ def _check_args(a) -> "gguf.GGMLQuantizationType":
     """Everything about the arguments that can be known before the target loads -> the file's matrix type."""
     from jllm.train.export import QUANTIZABLE
 
-    for flag, value, least in (("--steps", a.steps, 1), ("--ttt", a.ttt, 1), ("--draft-vocab", a.draft_vocab, 1),
-                               ("--ffn", a.ffn, 1), ("--max-len", a.max_len, 1), ("--max-new", a.max_new, 1),
+    train_config(a)                               # the training's own settings (TrainConfig's checks)
+    for flag, value, least in (("--draft-vocab", a.draft_vocab, 1), ("--ffn", a.ffn, 1), ("--max-new", a.max_new, 1),
                                ("--gen-batch", a.gen_batch, 1), ("--magpie", a.magpie, 0),
                                ("--package", a.package, 0), ("--writing", a.writing, 0),
-                               ("--questions", a.questions, 0), ("--requests", a.requests, 0),
-                               ("--profile", a.profile, 0)):
+                               ("--questions", a.questions, 0), ("--requests", a.requests, 0)):
         if value < least:
             raise JllmError(f"{flag} must be at least {least} (got {value})")
-    if a.batch_tokens < a.max_len:
-        raise JllmError(f"--batch-tokens ({a.batch_tokens}) must hold one conversation of --max-len ({a.max_len})")
-    if not a.lr > 0:
-        raise JllmError(f"--lr must be above 0 (got {a.lr})")
-    for flag, value in (("--holdout", a.holdout), ("--follow-up", a.follow_up), ("--sampled", a.sampled)):
-        if not 0.0 <= value <= (0.5 if flag == "--holdout" else 1.0):
-            raise JllmError(f"{flag} must be between 0 and {0.5 if flag == '--holdout' else 1} (got {value})")
-    for flag, value in (("--train-time", a.train_time), ("--gen-time", a.gen_time)):
-        if value is not None and not value > 0:
-            raise JllmError(f"{flag} must be above 0 seconds (got {value})")
+    for flag, value in (("--follow-up", a.follow_up), ("--sampled", a.sampled)):
+        if not 0.0 <= value <= 1.0:
+            raise JllmError(f"{flag} must be between 0 and 1 (got {value})")
+    if a.gen_time is not None and not a.gen_time > 0:
+        raise JllmError(f"--gen-time must be above 0 seconds (got {a.gen_time})")
     if a.checkpoint and not a.holdout:
         raise JllmError("--checkpoint writes the head at each held-out score: it needs --holdout > 0")
     qtype = next((q for q in QUANTIZABLE if q.name == a.qtype.upper()), None)
@@ -453,9 +465,7 @@ def _run(a) -> int:
         print(f"head: starts from {a.init} ({rows} of its {len(d2t)} output rows from it, the rest the target's)")
     print(f"head: draft vocabulary {len(d2t)}, ffn {head.c.ffn}, layers {list(head.c.target_layers)}, "
           f"~{file_bytes(head, qtype) / 2**20:.1f} MiB of tensors in {qtype.name}")
-    tc = TrainConfig(steps=a.steps, lr=a.lr, batch_tokens=a.batch_tokens, max_len=a.max_len, ttt=a.ttt,
-                     seed=a.seed, holdout=a.holdout, time_limit=a.train_time, profile=a.profile,
-                     compile=a.compile)
+    tc = train_config(a)
     t1 = time.perf_counter()
     hist = train(target, head, conv, tc, checkpoint=(lambda h: _checkpoint(a.out, h, a.model, qtype))
                  if a.checkpoint else None)
