@@ -113,35 +113,29 @@ class ConvertedWriter:
         except BaseException:
             self.abort()
             raise
-        remove_old_versions(self.path.parent)
-        remove_stale(self.path.parent)
+        remove_unusable(self.path.parent)
 
     def abort(self) -> None:
         self.f.close()
         self.tmp.unlink(missing_ok=True)
 
 
-def remove_old_versions(directory: Path) -> None:
-    """Delete converted files of other format versions: their keys can never match again, and each holds a
-    model's weights (~1 GB for the 1.5B). (Two jllm versions sharing one directory would each convert again
-    after the other ran; JLLM_CONVERTED_DIR separates them.)"""
+def remove_unusable(directory: Path) -> None:
+    """Delete the converted files no load can use again, each holding a model's weights (~1 GB for the 1.5B):
+    those of another format version (their keys never match again; two jllm versions sharing one directory
+    would each convert again after the other ran: JLLM_CONVERTED_DIR separates them), and those of this one
+    whose GGUF is gone or has changed (its size or time: the key a load would look for is no longer theirs).
+    Files that are not ours, or cannot be read (another process's, damaged), are left alone: a load that meets
+    a damaged one deletes it."""
     for path in directory.glob("*.jllmw"):
         try:
             with open(path, "rb") as f:
                 magic = f.read(8)
-            if magic[:6] == MAGIC[:6] and magic != MAGIC:
+            if magic[:6] != MAGIC[:6]:
+                continue                          # not a converted file
+            if magic != MAGIC:
                 path.unlink()
-        except OSError:
-            pass                                  # another process's file, gone or unreadable: leave it
-
-
-def remove_stale(directory: Path) -> None:
-    """Delete converted files of this format whose GGUF is gone or has changed (its size or time: the key a
-    load would look for is no longer theirs), so that replacing or deleting a model does not leave ~1 GB of
-    its weights behind for good. Files that cannot be read (another process's, damaged) are left alone: a load
-    that meets a damaged one deletes it."""
-    for path in directory.glob("*.jllmw"):
-        try:
+                continue
             source = ConvertedReader(path).source
             gguf, precision = source["gguf"], source["precision"]
         except (ValueError, OSError, json.JSONDecodeError, KeyError, TypeError):
