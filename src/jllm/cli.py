@@ -57,8 +57,7 @@ def _sampling_args(p: argparse.ArgumentParser, n_predict: int | None = 256) -> N
 def _params(a: argparse.Namespace):
     from jllm.sampling import SamplingParams
 
-    if a.ctx_size < 1:                        # before -n -1's budget is taken from it
-        raise JllmError(f"-c/--ctx-size must be at least 1 (got {a.ctx_size})")
+    _check_ctx_size(a)                        # before -n -1's budget is taken from it
     if a.n_predict is not None and a.n_predict < -1:
         raise JllmError(f"-n/--n-predict must be -1 (until the answer ends or the context is full) or a count of "
                         f"tokens (got {a.n_predict})")
@@ -111,9 +110,13 @@ def _engine(a: argparse.Namespace, kv_cache: bool = False, default_head: bool = 
                   kv_store_shared_bytes=getattr(a, "kv_store_size", 4 << 30))
 
 
-def _check_sizes(a: argparse.Namespace) -> None:
+def _check_ctx_size(a: argparse.Namespace) -> None:
     if a.ctx_size < 1:
         raise JllmError(f"-c/--ctx-size must be at least 1 (got {a.ctx_size})")
+
+
+def _check_sizes(a: argparse.Namespace) -> None:
+    _check_ctx_size(a)
     if a.threads is not None and a.threads < 1:
         raise JllmError(f"-t/--threads must be at least 1 (got {a.threads})")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
