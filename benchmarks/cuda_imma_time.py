@@ -1,5 +1,5 @@
 """dp4a's kernel against its int8 tensor-core twin (jllm.cuda.imma) on the 1.5B's matrix shapes, random blocks:
-microseconds a pass of 1..8 rows from CUDA graphs (one matvec a replay, 200 replays), at dp4a's default setting
+microseconds a pass of 1..8 rows from CUDA graphs (cuda_matvec.timed: 20 matvecs a replay), at dp4a's default setting
 for the shape, and whether the two agree bit for bit.
 
     python benchmarks/cuda_imma_time.py [--rows 1 2 4 8]
@@ -18,27 +18,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
 from jllm.cuda import dp4a, imma  # noqa: E402
+from cuda_matvec import timed  # noqa: E402
 from jllm.cuda.linear import device_weight  # noqa: E402
 from test_cuda_matvec import random_blocks  # noqa: E402
 
 SHAPES = [("attn_qkv", T.Q4_K, 2048, 1536), ("ffn_gate_up", T.Q4_K, 17920, 1536), ("ffn_down", T.Q4_K, 1536, 8960),
           ("ffn_down (Q6_K)", T.Q6_K, 1536, 8960), ("output (Q6_K)", T.Q6_K, 151936, 1536)]
-
-
-def graph_us(fn, reps: int = 200) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    g.replay()
-    a.record()
-    for _ in range(reps):
-        g.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1e3 / reps
 
 
 def main() -> None:
@@ -54,9 +39,9 @@ def main() -> None:
             prep = dp4a.prepare(x, [w])
             shape = (split, m, n) if split > 1 else (m, n)
             y1, y2 = torch.empty(shape, device="cuda"), torch.empty(shape, device="cuda")
-            t1 = graph_us(lambda: dp4a.launch(x, w, y1, bn, None, sb, split, prep=prep))
+            t1 = timed(lambda: dp4a.launch(x, w, y1, bn, None, sb, split, prep=prep), 200) * 1e6
             if imma.fits(m, bn, sb):
-                t2 = graph_us(lambda: imma.launch(x, w, y2, bn, None, sb, split, prep=prep))
+                t2 = timed(lambda: imma.launch(x, w, y2, bn, None, sb, split, prep=prep), 200) * 1e6
                 same = torch.equal(y1, y2)
                 print(f"{name:<18} {m:>4} {t1:>8.1f} {t2:>8.1f}  {same}")
             else:
