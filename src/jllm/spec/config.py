@@ -45,7 +45,6 @@ class SpecConfig:
         if not 0 <= self.tree_width <= TREE_WIDTH_MAX or self.tree_branches < 1 or self.tree_nodes < 1:
             raise ValueError(f"need 0 <= tree_width <= {TREE_WIDTH_MAX}, tree_branches >= 1 and tree_nodes >= 1, got "
                              f"{self.tree_width}, {self.tree_branches}, {self.tree_nodes}")
-
         if not 0.05 <= self.head_tau <= 4.0:
             raise ValueError(f"head_tau must be between 0.05 and 4, got {self.head_tau}")
 
